@@ -1,0 +1,45 @@
+// The functions bindings/<kernel>.cpp export to Python (registered in module.cpp). Each checks
+// its tensors (device, dtype, contiguity, shape), fills the kernel's args struct and calls the
+// _cpu or _cuda implementation by device. Outputs are allocated by rheo_engine/kernels.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace rheo::bind {
+
+// pool sampler (csrc/include/rheo/pool_sampler.h); kind: 0 = topk, 1 = rheo
+void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, double T, int64_t kind,
+                  uint64_t seed, uint64_t step, int64_t level,
+                  const std::optional<at::Tensor>& forced_sample, at::Tensor& tokens,
+                  at::Tensor& log_proxy, at::Tensor& sampled_slot, at::Tensor& q_tilde_ids,
+                  at::Tensor& q_tilde, at::Tensor& q_sampled);
+
+// proxy rerank (csrc/include/rheo/proxy_rerank.h)
+void select_expand(const at::Tensor& scores, at::Tensor& expand);
+void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
+                const at::Tensor& cand_parents, const at::Tensor& cand_sampled,
+                const at::Tensor& root_tokens, const at::Tensor& prefix_len, at::Tensor& tokens,
+                at::Tensor& parents, at::Tensor& depth, at::Tensor& positions,
+                at::Tensor& sampled_row, at::Tensor& cand_index, at::Tensor& tree_mask,
+                at::Tensor& retrieve_indices, at::Tensor& n_leaves);
+
+// tree attention (csrc/include/rheo/tree_attention.h)
+void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& tree_mask, int64_t prefix_len, double scale, at::Tensor& out);
+
+// verification (csrc/include/rheo/verification.h); method: 0 = topk, 1 = rrsw, 2 = rheo
+void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
+                  const at::Tensor& sampled_row, const at::Tensor& q_tilde_ids,
+                  const at::Tensor& q_tilde, int64_t method, double T, double top_p,
+                  int64_t top_k, uint64_t seed, uint64_t step, at::Tensor& accept_path,
+                  at::Tensor& accept_len, at::Tensor& bonus_token);
+void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
+                      const at::Tensor& parents, const at::Tensor& sampled_row,
+                      const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
+                      double T, double top_p, int64_t top_k, at::Tensor& accept_prob,
+                      at::Tensor& emit_prob);
+
+}  // namespace rheo::bind

@@ -1,0 +1,41 @@
+// The one pybind11 module, rheo_engine._C: one line per exported function, grouped by kernel.
+// rheo_engine/kernels.py is the only Python file that imports it.
+#include <torch/extension.h>
+
+#include "bindings.h"
+
+namespace {
+
+bool has_cuda() {
+#ifdef RHEO_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+const char* build_info() {
+#ifdef RHEO_BUILD_INFO
+  return RHEO_BUILD_INFO;
+#else
+  return has_cuda() ? "cpu + cuda" : "cpu";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace b = rheo::bind;
+  m.def("has_cuda", &has_cuda, "True when the CUDA kernels were compiled in.");
+  m.def("build_info", &build_info, "What was built, e.g. 'cpu + cuda sm_90'.");
+  // pool sampler
+  m.def("pool_sampler", &b::pool_sampler, "K children, proxy log-probs, sampled slot, sparse q~.");
+  // proxy rerank
+  m.def("select_expand", &b::select_expand, "Indices of the topk candidates to expand, best first.");
+  m.def("build_tree", &b::build_tree, "Global top-(N-1) with the tie rule; tree layout.");
+  // tree attention
+  m.def("tree_attention", &b::tree_attention, "Attention of N tree nodes over prefix + tree (GQA).");
+  // verification
+  m.def("verification", &b::verification, "Accepted path and emitted token of each tree.");
+  m.def("verification_law", &b::verification_law, "Exact law of the walk (CPU; tests).");
+}

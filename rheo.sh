@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The two quick-start commands (README):
+#   bash rheo.sh demo   set everything up, then run the main job
+#   bash rheo.sh test   set everything up, then run the whole test suite
+# Setting up = torch (the CPU wheel where there is no GPU), numpy/pytest/ninja, and the
+# rheo_engine._C extension, rebuilt only when a source under csrc/ or bindings/ changed.
+# PYTHON picks the interpreter (default python3); extra arguments go to the job.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+PY=${PYTHON:-python3}
+
+setup() {
+  "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
+    { echo "rheo.sh: Python >= 3.10 is required (got $("$PY" --version))" >&2; exit 1; }
+  if ! "$PY" -c 'import torch' 2>/dev/null; then
+    # On a machine without an NVIDIA GPU take the CPU wheel (a local copy first, else PyTorch's
+    # CPU index); with a GPU the default PyPI wheel, which is the CUDA build.
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      "$PY" -m pip install torch==2.13.0
+    else
+      "$PY" -m pip install "torch==2.13.0+cpu" 2>/dev/null ||
+        "$PY" -m pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+    fi
+  fi
+  "$PY" -c 'import numpy, pytest, ninja, setuptools' 2>/dev/null ||
+    "$PY" -m pip install -q numpy pytest ninja setuptools wheel
+  if "$PY" - <<'PYEOF'
+import glob, os, sys
+so = glob.glob("rheo_engine/_C*.so")
+srcs = [p for d in ("csrc", "bindings") for p in glob.glob(f"{d}/**/*", recursive=True)] + ["setup.py"]
+sys.exit(0 if so and max(map(os.path.getmtime, srcs)) < os.path.getmtime(so[0]) else 1)
+PYEOF
+  then
+    return
+  fi
+  echo "rheo.sh: building rheo_engine._C (a few minutes the first time)" >&2
+  MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | tail -n 3
+  "$PY" -m pip show -q rheo-engine >/dev/null
+  "$PY" setup.py -q build_ext --inplace 2>&1 | grep -E "rheo_engine._C:|error" >&2 || true
+}
+
+job=${1:-demo}
+shift || true
+setup
+case "$job" in
+  demo) exec "$PY" -m rheo_engine.demo "$@" ;;
+  test) exec "$PY" -m pytest -q tests "$@" ;;
+  setup) "$PY" -m rheo_engine.info ;;
+  *) echo "usage: bash rheo.sh [demo|test|setup] [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,167 @@
+"""Grow the dynamic draft tree (DESIGN.md §2.1-2.2). Knows nothing of Llama.
+
+A drafter gives draft logits level by level; this module turns them into pools (pool sampler
+kernel), chooses the nodes to expand (select_expand), and prunes globally (build_tree). Scores
+are float32 sums of log proxies; the tie rule lives in the kernels (common.h ranks_before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rheo_engine import kernels
+from rheo_engine.config import TreeConfig
+
+
+class Drafter(Protocol):
+    """The draft model as the tree builder sees it (an EAGLE-3 head, or the n-gram toy)."""
+
+    def root_logits(self) -> torch.Tensor:
+        """Draft logits [B, Vd] of the token after the root (the last emitted token)."""
+        ...
+
+    def expand(self, level: int, parent_rank: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, topk, Vd] after each node chosen at ``level`` (1-based).
+
+        Node j of batch entry b is the child with token ``tokens[b, j]`` of the node expanded at
+        the previous call (the root when level == 1) with index ``parent_rank[b, j]``.
+        """
+        ...
+
+
+# (level, draft logits [rows, Vd]) -> forced sampled tokens [rows] int32 (-1 = draw), or None.
+# Only exact-enumeration tests pass one; the engine draws every sampled token with Philox coins.
+ForcedSamples = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass
+class DraftTree:
+    """A pruned draft tree plus the sparse q~ of its sampled nodes (rows of the q~ table)."""
+
+    tree: kernels.Tree
+    q_tilde_ids: torch.Tensor  # [R, Se] int32, target vocabulary ids
+    q_tilde: torch.Tensor  # [R, Se] q~ on that support
+
+
+def pool_kind(method: str, temperature: float) -> kernels.PoolKind:
+    """The Rheo pool for rrsw/rheo when sampling; plain top-K for topk and for greedy decoding."""
+    return "rheo" if method in ("rrsw", "rheo") and temperature > 0 else "topk"
+
+
+def root_only_tree(root_tokens: torch.Tensor, prefix_len: torch.Tensor) -> DraftTree:
+    """The tree of method ``ar``: just the root, so verification is plain sampling from p."""
+    B = root_tokens.shape[0]
+    dev = root_tokens.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    tree = kernels.Tree(
+        tokens=root_tokens.to(torch.int32).view(B, 1).clone(),
+        parents=torch.full((B, 1), -1, **i32),
+        depth=torch.zeros(B, 1, **i32),
+        positions=prefix_len.to(torch.int32).view(B, 1).clone(),
+        sampled_row=torch.full((B, 1), -1, **i32),
+        cand_index=torch.full((B, 1), -1, **i32),
+        tree_mask=torch.ones(B, 1, 1, dtype=torch.uint8, device=dev),
+        retrieve_indices=torch.zeros(B, 1, 1, **i32),
+        n_leaves=torch.ones(B, **i32),
+    )
+    empty = torch.zeros(0, 1, **i32)
+    return DraftTree(tree, empty, torch.zeros(0, 1, dtype=torch.float32, device=dev))
+
+
+@dataclass
+class _Level:
+    """The candidates of one draft level, in EAGLE's flat order (parent rank * K + slot)."""
+
+    scores: torch.Tensor  # [B, n] float32 path scores
+    tokens: torch.Tensor  # [B, n] int32 target ids
+    parents: torch.Tensor  # [B, n] int32 flat index of the parent candidate (-1: root)
+    sampled_row: torch.Tensor  # [B, n] int32 row in the q~ table, -1 if not sampled
+
+
+def _level_from_pool(
+    pool: kernels.Pool,
+    parent_scores: torch.Tensor,
+    parents: torch.Tensor,
+    row_offset: int,
+    to_target: torch.Tensor | None,
+) -> _Level:
+    """Candidates of a level from its pools; parent_scores/parents are [B, rows_per_b]."""
+    B, per_b = parent_scores.shape
+    K = pool.tokens.shape[1]
+    log_proxy = pool.log_proxy.to(torch.float32).view(B, per_b, K)
+    # Lemma 5: log proxies are <= 0, so a child never outscores its parent (float adds are monotone).
+    scores = (parent_scores.unsqueeze(2) + log_proxy).view(B, per_b * K)
+    slot = torch.arange(K, device=pool.tokens.device, dtype=torch.int32).view(1, 1, K)
+    rows = row_offset + torch.arange(B * per_b, dtype=torch.int32, device=slot.device)
+    is_sampled = slot == pool.sampled_slot.view(B, per_b, 1)
+    sampled_row = torch.where(is_sampled, rows.view(B, per_b, 1), torch.full_like(slot, -1))
+    tokens = pool.tokens if to_target is None else to_target[pool.tokens.long()].to(torch.int32)
+    return _Level(
+        scores=scores,
+        tokens=tokens.view(B, per_b * K),
+        parents=parents.unsqueeze(2).expand(B, per_b, K).reshape(B, per_b * K),
+        sampled_row=sampled_row.view(B, per_b * K),
+    )
+
+
+def draft_tree(
+    drafter: Drafter,
+    root_tokens: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cfg: TreeConfig,
+    temperature: float,
+    seed: int,
+    step: int,
+    draft_to_target: torch.Tensor | None = None,
+    forced: ForcedSamples | None = None,
+) -> DraftTree:
+    """Grow ``cfg.depth`` levels below each root [B], then keep the best total_tokens - 1.
+
+    ``draft_to_target`` [Vd] maps draft ids to target ids (EAGLE-3 d2t); None = identity.
+    """
+    if cfg.method == "ar":
+        return root_only_tree(root_tokens, prefix_len)
+    K, kind = cfg.topk, pool_kind(cfg.method, temperature)
+
+    def pools(level: int, logits: torch.Tensor) -> kernels.Pool:
+        forced_sample = None if forced is None else forced(level, logits)
+        return kernels.pool_sampler(
+            logits, K, cfg.leads, cfg.support, temperature, kind, seed, step, level, forced_sample
+        )
+
+    logits = drafter.root_logits()  # [B, Vd]
+    B = logits.shape[0]
+    pool = pools(0, logits)
+    zeros = torch.zeros(B, 1, dtype=torch.float32, device=logits.device)
+    no_parent = torch.full((B, 1), -1, dtype=torch.int32, device=logits.device)
+    level = _level_from_pool(pool, zeros, no_parent, 0, draft_to_target)
+    levels, all_pools, rows, offset = [level], [pool], B, 0
+    for depth in range(1, cfg.depth):
+        chosen = kernels.select_expand(level.scores, K).long()  # [B, K] best first = parent rank
+        parent_tokens = level.tokens.gather(1, chosen)
+        logits = drafter.expand(depth, chosen // K, parent_tokens)  # [B, K, Vd]
+        pool = pools(depth, logits.reshape(B * K, -1))
+        parents = (offset + chosen).to(torch.int32)
+        offset += level.scores.shape[1]
+        level = _level_from_pool(pool, level.scores.gather(1, chosen), parents, rows, draft_to_target)
+        levels.append(level)
+        all_pools.append(pool)
+        rows += B * K
+    tree = kernels.build_tree(
+        torch.cat([lv.scores for lv in levels], 1).contiguous(),
+        torch.cat([lv.tokens for lv in levels], 1).contiguous(),
+        torch.cat([lv.parents for lv in levels], 1).contiguous(),
+        torch.cat([lv.sampled_row for lv in levels], 1).contiguous(),
+        root_tokens.to(torch.int32).contiguous(),
+        prefix_len.to(torch.int32).contiguous(),
+        cfg.total_tokens,
+        cfg.depth,
+    )
+    q_ids = torch.cat([p.q_tilde_ids for p in all_pools], 0)
+    if draft_to_target is not None:
+        q_ids = draft_to_target[q_ids.long()].to(torch.int32)
+    return DraftTree(tree, q_ids.contiguous(), torch.cat([p.q_tilde for p in all_pools], 0))

@@ -1,0 +1,270 @@
+"""Typed wrappers over the compiled kernels (the only module that imports ``_C``).
+
+Each function allocates its outputs, calls the kernel on the inputs' device and returns the
+outputs. Shapes use the letters of DESIGN.md: B batch, N tree nodes, V vocabulary, K pool slots,
+Se = min(S, V) sparse support, H/Hkv heads, D head dim. Bad input raises ``ValueError`` from the
+C++ checks, naming the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rheo_engine import _C
+
+PoolKind = Literal["topk", "rheo"]
+VerifyMethod = Literal["topk", "rrsw", "rheo"]
+_POOL_KINDS = {"topk": 0, "rheo": 1}
+_VERIFY_METHODS = {"topk": 0, "rrsw": 1, "rheo": 2}
+
+
+def has_cuda() -> bool:
+    """True when the extension was compiled with the CUDA kernels."""
+    return bool(_C.has_cuda())
+
+
+def build_info() -> str:
+    """What the extension holds, e.g. ``'cpu'`` or ``'cpu + cuda sm_90'``."""
+    return str(_C.build_info())
+
+
+def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _lookup(table: dict[str, int], value: str, what: str) -> int:
+    if value not in table:
+        raise ValueError(f"{what}={value!r} is not one of {sorted(table)}; pick one of those")
+    return table[value]
+
+
+# --- pool sampler -------------------------------------------------------------------------
+
+
+@dataclass
+class Pool:
+    """Per row of draft logits: the K children of an expanded node (DESIGN.md §2.1)."""
+
+    tokens: torch.Tensor  # [n, K] int32, slot order
+    log_proxy: torch.Tensor  # [n, K] float32 (float64 for float64 logits)
+    sampled_slot: torch.Tensor  # [n] int32, slot of Y or -1
+    q_tilde_ids: torch.Tensor  # [n, Se] int32, support in descending logit order
+    q_tilde: torch.Tensor  # [n, Se] q~ on the support (0 on leads)
+    q_sampled: torch.Tensor  # [n] q~(Y), 0 when there is no Y
+
+
+def pool_sampler(
+    logits: torch.Tensor,
+    K: int,
+    m: int,
+    S: int,
+    T: float,
+    kind: PoolKind = "rheo",
+    seed: int = 0,
+    step: int = 0,
+    level: int = 0,
+    forced_sample: torch.Tensor | None = None,
+) -> Pool:
+    """Build the pool of every row of ``logits`` [n, V] (fp32/bf16/fp16/fp64).
+
+    ``forced_sample`` [n] int32 (-1 = draw) pins the sampled token, for exact enumeration.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [n, V], got shape {list(logits.shape)}")
+    n, V = logits.shape
+    Se = max(0, min(S, V))
+    acc = _acc_dtype(logits)
+    dev = logits.device
+    out = Pool(
+        tokens=torch.empty(n, max(K, 0), dtype=torch.int32, device=dev),
+        log_proxy=torch.empty(n, max(K, 0), dtype=acc, device=dev),
+        sampled_slot=torch.empty(n, dtype=torch.int32, device=dev),
+        q_tilde_ids=torch.empty(n, Se, dtype=torch.int32, device=dev),
+        q_tilde=torch.empty(n, Se, dtype=acc, device=dev),
+        q_sampled=torch.empty(n, dtype=acc, device=dev),
+    )
+    _C.pool_sampler(
+        logits, K, m, S, float(T), _lookup(_POOL_KINDS, kind, "kind"), seed, step, level,
+        forced_sample, out.tokens, out.log_proxy, out.sampled_slot, out.q_tilde_ids,
+        out.q_tilde, out.q_sampled,
+    )  # fmt: skip
+    return out
+
+
+# --- proxy rerank -------------------------------------------------------------------------
+
+
+def select_expand(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Indices [B, topk] int32 of the best ``topk`` of ``scores`` [B, M] (tie rule), best first."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [B, M], got shape {list(scores.shape)}")
+    if not 1 <= topk <= scores.shape[1]:
+        raise ValueError(
+            f"topk={topk} must be in [1, M={scores.shape[1]}] (candidates at this level); "
+            "lower topk"
+        )
+    expand = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=scores.device)
+    _C.select_expand(scores, expand)
+    return expand
+
+
+@dataclass
+class Tree:
+    """A pruned draft tree in the layout verification and tree attention take (B trees)."""
+
+    tokens: torch.Tensor  # [B, N] int32, root at node 0
+    parents: torch.Tensor  # [B, N] int32, -1 for the root
+    depth: torch.Tensor  # [B, N] int32
+    positions: torch.Tensor  # [B, N] int32, prefix_len + depth
+    sampled_row: torch.Tensor  # [B, N] int32, row of the node's q~ or -1
+    cand_index: torch.Tensor  # [B, N] int32, flat candidate index, -1 for the root
+    tree_mask: torch.Tensor  # [B, N, N] uint8, ancestor-or-self
+    retrieve_indices: torch.Tensor  # [B, N, depth + 1] int32, root-to-leaf paths, -1 padded
+    n_leaves: torch.Tensor  # [B] int32
+
+
+def build_tree(
+    cand_scores: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_parents: torch.Tensor,
+    cand_sampled: torch.Tensor,
+    root_tokens: torch.Tensor,
+    prefix_len: torch.Tensor,
+    total_tokens: int,
+    depth: int,
+) -> Tree:
+    """Keep the global top-(total_tokens - 1) candidates [B, L] and lay out the tree."""
+    if cand_scores.dim() != 2:
+        raise ValueError(f"cand_scores must be [B, L], got shape {list(cand_scores.shape)}")
+    B, L = cand_scores.shape
+    N = total_tokens
+    if not 1 <= N <= L + 1:
+        raise ValueError(
+            f"total_tokens={N} must be in [1, L + 1 = {L + 1}] (candidates drafted plus the "
+            "root); lower total_tokens or draft more"
+        )
+    if depth < 0:
+        raise ValueError(f"depth={depth} must be >= 0")
+    dev = cand_scores.device
+
+    def i32(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.int32, device=dev)
+
+    tree = Tree(
+        tokens=i32(B, N), parents=i32(B, N), depth=i32(B, N), positions=i32(B, N),
+        sampled_row=i32(B, N), cand_index=i32(B, N),
+        tree_mask=torch.empty(B, N, N, dtype=torch.uint8, device=dev),
+        retrieve_indices=i32(B, N, depth + 1), n_leaves=i32(B),
+    )  # fmt: skip
+    _C.build_tree(
+        cand_scores, cand_tokens, cand_parents, cand_sampled, root_tokens, prefix_len,
+        tree.tokens, tree.parents, tree.depth, tree.positions, tree.sampled_row,
+        tree.cand_index, tree.tree_mask, tree.retrieve_indices, tree.n_leaves,
+    )  # fmt: skip
+    return tree
+
+
+# --- tree attention -----------------------------------------------------------------------
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tree_mask: torch.Tensor,
+    prefix_len: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, N, H, D] over k, v [B, Lc, Hkv, D] (prefix + tree) -> [B, N, H, D].
+
+    ``tree_mask`` [B, N, N] uint8 marks each node's ancestors and itself; every node sees the
+    whole prefix (rows 0..prefix_len-1 of the cache); tree rows start at ``prefix_len``.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, N, H, D], got shape {list(q.shape)}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _C.tree_attention(q, k, v, tree_mask, prefix_len, q.shape[-1] ** -0.5 if scale is None else scale, out)
+    return out
+
+
+# --- verification -------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """Outcome of verifying B trees: the accepted node path and the emitted token."""
+
+    accept_path: torch.Tensor  # [B, P] int32 node indices, root first, -1 padded
+    accept_len: torch.Tensor  # [B] int32 nodes accepted including the root
+    bonus_token: torch.Tensor  # [B] int32
+
+
+def _check_tree_inputs(logits: torch.Tensor) -> tuple[int, int, int]:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, N, V], got shape {list(logits.shape)}")
+    B, N, V = logits.shape
+    return B, N, V
+
+
+def verification(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sampled_row: torch.Tensor,
+    q_tilde_ids: torch.Tensor,
+    q_tilde: torch.Tensor,
+    method: VerifyMethod,
+    T: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    step: int = 0,
+    path_capacity: int | None = None,
+) -> Verdict:
+    """Walk B trees with target ``logits`` [B, N, V]; q~ table [R, Se] for the sampled nodes."""
+    B, N, _ = _check_tree_inputs(logits)
+    P = N if path_capacity is None else path_capacity
+    dev = logits.device
+    out = Verdict(
+        accept_path=torch.empty(B, P, dtype=torch.int32, device=dev),
+        accept_len=torch.empty(B, dtype=torch.int32, device=dev),
+        bonus_token=torch.empty(B, dtype=torch.int32, device=dev),
+    )
+    _C.verification(
+        logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
+        _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, seed, step,
+        out.accept_path, out.accept_len, out.bonus_token,
+    )  # fmt: skip
+    return out
+
+
+def verification_law(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sampled_row: torch.Tensor,
+    q_tilde_ids: torch.Tensor,
+    q_tilde: torch.Tensor,
+    method: VerifyMethod,
+    T: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact law of the walk (CPU): accept_prob [B, N] and emit_prob [B, N, V].
+
+    accept_prob[b, i] = P(move into node i | parent visited); emit_prob[b, i, v] = P(stop at i and
+    emit v | i visited). Use float64 logits for exact checks.
+    """
+    B, N, V = _check_tree_inputs(logits)
+    acc = _acc_dtype(logits)
+    accept_prob = torch.empty(B, N, dtype=acc)
+    emit_prob = torch.empty(B, N, V, dtype=acc)
+    _C.verification_law(
+        logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
+        _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k,
+        accept_prob, emit_prob,
+    )  # fmt: skip
+    return accept_prob, emit_prob
