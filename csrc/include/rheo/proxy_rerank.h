@@ -20,8 +20,12 @@
 //    Tree node 0 is the root; nodes 1..N-1 are the kept candidates IN RANK ORDER. Rank order is
 //    topological (Lemma 5: a child's score <= its parent's, and a tie puts the shallower first)
 //    and puts siblings in slot order, so parents precede children and verification can take
-//    children in node order. build_tree_cpu raises if the kept set is not ancestor-closed (it
-//    always is when every proxy is <= 1, i.e. log proxy <= 0; anything else is a caller bug).
+//    children in node order. build_tree_cpu raises if the kept set is not ancestor-closed or a
+//    kept child ranks before its parent (neither happens when every proxy is <= 1, i.e. log
+//    proxy <= 0; anything else is a caller bug), on a NaN score, on cand_parents[c] outside
+//    [-1, c), on prefix_len < 0 and on a node deeper than max_depth. The CUDA kernels cannot
+//    raise without a sync: such an entry gets n_leaves[b] = -1 (other outputs unspecified), and
+//    select_expand_cuda writes expand[b, :] = -1 for a row holding a NaN (the CPU one raises).
 //    Outputs:
 //      tokens           [B, N]          int32   node token (root_tokens at node 0)
 //      parents          [B, N]          int32   parent node index, -1 for the root

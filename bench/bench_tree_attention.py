@@ -1,0 +1,120 @@
+"""Benchmark tree attention: rheo's kernel against torch-native SDPA with a boolean mask.
+
+Checks both against reference.tree_attention_ref first, then times each case (warm-up, median
+of reps) and prints one CSV row per case: µs per call, the torch time, the ratio, and the GB/s
+of K/V actually read (2 * B * (prefix_len + N) * Hkv * D * element size per call).
+
+    python bench/bench_tree_attention.py [--quick] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rheo_engine import kernels, reference
+
+B, N, H, HKV, D = 1, 60, 32, 8, 128
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+        return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "uncommitted"
+
+
+def chain_of_paths_mask(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n, n] uint8 ancestor mask of a tree like EAGLE's: each node's parent is (i - 1) // 3."""
+    mask = torch.zeros(1, n, n, dtype=torch.uint8)
+    for i in range(n):
+        mask[0, i, i] = 1
+        if i > 0:
+            mask[0, i] |= mask[0, (i - 1) // 3]
+    return mask.to(device)
+
+
+def torch_native(q, k, v, tree_mask, prefix_len):
+    """SDPA over prefix + tree with a boolean [N, prefix + N] mask; GQA by repeat_interleave."""
+    rows, group = prefix_len + q.shape[1], q.shape[2] // k.shape[2]
+    kr = k[:, :rows].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, L, D]
+    vr = v[:, :rows].repeat_interleave(group, dim=2).transpose(1, 2)
+    visible = torch.ones(q.shape[0], 1, q.shape[1], rows, dtype=torch.bool, device=q.device)
+    visible[:, 0, :, prefix_len:] = tree_mask.bool()
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, attn_mask=visible)
+    return out.transpose(1, 2)
+
+
+def median_us(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    for _ in range(max(2, reps // 5)):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def check(out: torch.Tensor, exact: torch.Tensor, what: str) -> float:
+    err = (out.float() - exact).abs().max().item()
+    limit = 1e-4 if out.dtype == torch.float32 else 3e-2
+    if not err <= limit:
+        raise SystemExit(f"{what} disagrees with reference.tree_attention_ref: max error {err}")
+    return err
+
+
+def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: int) -> str:
+    gen = torch.Generator().manual_seed(prefix_len)
+    rows = prefix_len + N
+    q = torch.randn(B, N, H, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, rows, HKV, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, rows, HKV, D, generator=gen).to(device, dtype)
+    mask = chain_of_paths_mask(N, device)
+    exact = reference.tree_attention_ref(q.float(), k.float(), v.float(), mask, prefix_len)
+    check(kernels.tree_attention(q, k, v, mask, prefix_len), exact, "rheo kernel")
+    check(torch_native(q, k, v, mask, prefix_len), exact, "torch SDPA")
+    rheo_us = median_us(lambda: kernels.tree_attention(q, k, v, mask, prefix_len), reps, device)
+    torch_us = median_us(lambda: torch_native(q, k, v, mask, prefix_len), reps, device)
+    bytes_moved = 2 * B * rows * HKV * D * q.element_size()
+    gb_per_s = bytes_moved / (rheo_us * 1e-6) / 1e9
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"{device.type},{dtype_name},{B},{N},{H},{HKV},{D},{prefix_len},{rheo_us:.1f},"
+            f"{torch_us:.1f},{torch_us / rheo_us:.2f},{gb_per_s:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not (torch.cuda.is_available() and kernels.has_cuda()):
+        raise SystemExit("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C")
+    prefixes = [128, 1024] if args.quick else [128, 1024, 4096]
+    reps = 5 if args.quick else (50 if device.type == "cpu" else 200)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"# tree_attention bench: device={name} torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}")
+    print("# B, N, H, Hkv, D fixed; tree mask: parent of node i is (i - 1) // 3; GB/s = K/V read")
+    print("device,dtype,B,N,H,Hkv,D,prefix_len,rheo_us,torch_us,speedup,rheo_kv_GB_per_s")
+    for dtype in (torch.float32, torch.bfloat16):
+        for prefix_len in prefixes:
+            print(run_case(prefix_len, dtype, device, reps), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Benchmark kernels.verification (CPU) against a torch-native composition of the same walk.
+
+One realistic tree (N = 60, depth 8, the first child of each node carries its parent's likely
+token so the walk accepts a few levels; the second child is the sampled Y with a 128-entry q~),
+fp32 logits [60, V]. The torch-native walk runs softmax/masking ops per visited node in float64
+(the kernel's precision) and must agree with the kernel on the same coins before timing.
+Usage: python bench/bench_verification.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+
+from rheo_engine import kernels, reference
+
+
+def make_tree(V: int, boost: float, N: int = 60, Se: int = 128, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, N, V, generator=g)
+    likely = torch.randint(0, V, (N,), generator=g)
+    logits[0, torch.arange(N), likely] += boost
+    sizes = [1, 4, 8, 8, 8, 8, 8, 8, 7]
+    tokens = torch.zeros(1, N, dtype=torch.int32)
+    parents = torch.full((1, N), -1, dtype=torch.int32)
+    sampled = torch.full((1, N), -1, dtype=torch.int32)
+    ids, qs = [], []
+    j, start = 1, 0
+    for d in range(1, len(sizes)):
+        prev, start = start, j
+        slot = 0
+        for s in range(sizes[d]):
+            par = prev + min(s // 2, sizes[d - 1] - 1)
+            slot = slot + 1 if s > 0 and int(parents[0, j - 1]) == par else 0
+            parents[0, j] = par
+            tokens[0, j] = int(likely[par]) if slot == 0 else int(torch.randint(0, V, (1,), generator=g))
+            if slot == 1:  # Y: support = the lead (q~ 0), Y, other ids
+                others = torch.randperm(V, generator=g)[: Se + 2].tolist()
+                others = [v for v in others if v not in (int(tokens[0, j - 1]), int(tokens[0, j]))]
+                ids.append([int(tokens[0, j - 1]), int(tokens[0, j])] + others[: Se - 2])
+                q = torch.full((Se,), 1.0 / (Se - 1))
+                q[0] = 0.0
+                qs.append(q)
+                sampled[0, j] = len(ids) - 1
+            j += 1
+    return logits, tokens, parents, sampled, torch.tensor(ids, dtype=torch.int32), torch.stack(qs)
+
+
+def torch_native(logits, tokens, parents, sampled, q_ids, q_tilde, method, T, seed, step):
+    """The walk with torch ops per visited node (B = 1, top-k/top-p off)."""
+    N = logits.shape[1]
+    par, tok, samp = parents[0].tolist(), tokens[0].tolist(), sampled[0].tolist()
+    path, node = [0], 0
+    while True:
+        w = torch.softmax(logits[0, node].double() / T, 0)
+        Z, nnz = 1.0, int((w > 0).sum())
+        kids = [c for c in range(node + 1, N) if par[c] == node]
+        ys = [k for k, c in enumerate(kids) if samp[c] >= 0 and method == "rheo"]
+        if ys:
+            kids = [kids[ys[0]]] + kids[: ys[0]] + kids[ys[0] + 1 :]
+        accepted = -1
+        for jj, c in enumerate(kids):
+            coin = reference.verify_coin(seed, step, 0, N, node, jj)
+            if jj == 0 and ys:  # Y
+                ids = q_ids[samp[c]].long()
+                zq = Z * q_tilde[samp[c]].double()
+                q_y = float(q_tilde[samp[c]][ids == tok[c]][0])
+                ws = w[ids]
+                lost = int(((ws > 0) & (ws <= zq)).sum())
+                if nnz == lost or coin * q_y < float(w[tok[c]]) / Z:
+                    accepted = c
+                    break
+                w[ids] = (ws - zq).clamp_min(0.0)
+                Z, nnz = Z - float(torch.minimum(ws, zq).sum()), nnz - lost
+            else:
+                wc = float(w[tok[c]])
+                if (wc > 0 and nnz == 1) or coin < wc / Z:
+                    accepted = c
+                    break
+                if wc > 0:
+                    w[tok[c]] = 0.0
+                    Z, nnz = Z - wc, nnz - 1
+        if accepted < 0:
+            coin = reference.verify_coin(seed, step, 0, N, node, reference.RESIDUAL_SLOT)
+            cum = torch.cumsum(w, 0)
+            bonus = int((cum > coin * float(cum[-1])).nonzero()[0])
+            return path, bonus
+        path.append(accepted)
+        node = accepted
+
+
+def median_us(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    opt = ap.parse_args()
+    reps = 5 if opt.quick else 20
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        commit = "uncommitted"
+    print(f"# device=cpu dtype=float32 logits, torch {torch.__version__}, "
+          f"threads={torch.get_num_threads()}, commit={commit or 'uncommitted'}")  # fmt: skip
+    print("kernel,method,N,V,T,mean_accept_len,us_kernel,us_torch_native,speedup,GB_per_s")
+    for V, boost in [(32000, 12.0), (128256, 13.5)]:
+        args = make_tree(V, boost)
+        for method in ["topk", "rheo"]:
+            T = 1.0
+            lens = []
+            for step in range(reps):  # agreement on the same coins first
+                out = kernels.verification(*args, method, T, seed=1, step=step)
+                path, bonus = torch_native(*args, method, T, 1, step)
+                n = int(out.accept_len[0])
+                assert out.accept_path[0, :n].tolist() == path and int(out.bonus_token[0]) == bonus
+                lens.append(n)
+            steps = iter(range(10**9))
+            us_k = median_us(lambda: kernels.verification(*args, method, T, seed=1, step=next(steps)), reps)
+            steps = iter(range(10**9))
+            us_t = median_us(lambda: torch_native(*args, method, T, 1, next(steps)), reps)
+            mean_len = statistics.mean(lens)
+            gbs = mean_len * V * 4 / us_k * 1e-3
+            print(f"verification_cpu,{method},60,{V},{T},{mean_len:.2f},{us_k:.1f},{us_t:.1f},"
+                  f"{us_t / us_k:.2f},{gbs:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+// Binding of tree attention (csrc/include/rheo/tree_attention.h): checks q, k, v, tree_mask and
+// out, fills TreeAttentionArgs and calls the CPU or CUDA kernel by device.
+#include "binding_utils.h"
+#include "bindings.h"
+#include "rheo/tree_attention.h"
+
+namespace rheo::bind {
+namespace {
+
+// The kernel reads rows of D elements: the last dim must be dense; the others may be strided.
+void check_dense_last_dim(const at::Tensor& t, const char* name) {
+  RHEO_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name,
+             " must have a dense last dim (stride 1), got strides ", shape_str(t.strides()),
+             "; call .contiguous() first");
+}
+
+// k and v are read with one set of strides; sizes of 1 make a stride irrelevant.
+void check_same_strides(const at::Tensor& k, const at::Tensor& v) {
+  bool same = true;
+  for (int64_t i = 0; i < k.dim(); ++i)
+    same = same && (k.size(i) <= 1 || k.stride(i) == v.stride(i));
+  RHEO_CHECK(same, "k and v must have the same strides (one layout for the KV cache), got k ",
+             shape_str(k.strides()), " and v ", shape_str(v.strides()),
+             "; call .contiguous() on both");
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& tree_mask, int64_t prefix_len, const at::Tensor& out) {
+  check_shape(q, "q", {-1, -1, -1, -1}, "[B, N, H, D]");
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+  check_shape(k, "k", {B, -1, -1, D}, "[B, Lc, Hkv, D]");
+  check_shape(v, "v", {B, k.size(1), k.size(2), D}, "[B, Lc, Hkv, D] (the shape of k)");
+  dtype_of(q, "q", /*allow_float64=*/false);
+  check_dtype(k, "k", q.scalar_type());
+  check_dtype(v, "v", q.scalar_type());
+  check_buffer(tree_mask, "tree_mask", at::kByte, {B, N, N}, "[B, N, N]");
+  check_buffer(out, "out", q.scalar_type(), {B, N, H, D}, "[B, N, H, D]");
+  check_same_device(k, "k", q, "q");
+  check_same_device(v, "v", q, "q");
+  check_same_device(tree_mask, "tree_mask", q, "q");
+  check_same_device(out, "out", q, "q");
+  check_dense_last_dim(q, "q");
+  check_dense_last_dim(k, "k");
+  check_dense_last_dim(v, "v");
+  check_same_strides(k, v);
+  const int64_t Hkv = k.size(2), Lc = k.size(1);
+  RHEO_CHECK(D >= 1 && Hkv >= 1, "q and k need D >= 1 and Hkv >= 1, got D=", D, ", Hkv=", Hkv);
+  RHEO_CHECK(H % Hkv == 0, "H=", H, " heads is not a multiple of Hkv=", Hkv,
+             " KV heads (GQA needs H % Hkv == 0)");
+  RHEO_CHECK(prefix_len >= 0, "prefix_len must be >= 0, got ", prefix_len);
+  RHEO_CHECK(prefix_len + N <= Lc, "prefix_len + N must be <= Lc (the cache holds the prefix, ",
+             "then the N tree rows), got prefix_len=", prefix_len, ", N=", N, ", Lc=", Lc,
+             "; write the tree's K/V into the cache first");
+}
+
+}  // namespace
+
+void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& tree_mask, int64_t prefix_len, double scale,
+                    at::Tensor& out) {
+  check_inputs(q, k, v, tree_mask, prefix_len, out);
+  TreeAttentionArgs args;
+  args.q = q.const_data_ptr();
+  args.k = k.const_data_ptr();
+  args.v = v.const_data_ptr();
+  args.tree_mask = tree_mask.const_data_ptr<uint8_t>();
+  args.out = out.mutable_data_ptr();
+  args.dtype = dtype_of(q, "q", /*allow_float64=*/false);
+  args.B = q.size(0);
+  args.N = q.size(1);
+  args.H = q.size(2);
+  args.D = q.size(3);
+  args.Hkv = k.size(2);
+  args.prefix_len = prefix_len;
+  args.q_stride_b = q.stride(0);
+  args.q_stride_n = q.stride(1);
+  args.q_stride_h = q.stride(2);
+  args.kv_stride_b = k.stride(0);
+  args.kv_stride_l = k.stride(1);
+  args.kv_stride_h = k.stride(2);
+  args.scale = static_cast<float>(scale);
+  if (on_cuda(q, "q")) {
+#ifdef RHEO_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    RHEO_CUDA_CHECK(tree_attention_cuda(args, current_stream(q)));
+#endif
+    return;
+  }
+  tree_attention_cpu(args);
+}
+
+}  // namespace rheo::bind

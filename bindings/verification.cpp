@@ -1,0 +1,114 @@
+// Binding of verification (csrc/include/rheo/verification.h): checks the logits, the tree, the
+// q~ table and the outputs, fills VerificationArgs and calls the CPU or CUDA kernel by device.
+#include "binding_utils.h"
+#include "bindings.h"
+#include "rheo/verification.h"
+
+namespace rheo::bind {
+namespace {
+
+// Checks the inputs shared by both entry points and fills their part of the args.
+VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
+                        const at::Tensor& parents, const at::Tensor& sampled_row,
+                        const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
+                        double T, double top_p, int64_t top_k) {
+  check_shape(logits, "logits", {-1, -1, -1}, "[B, N, V]");
+  VerificationArgs a;
+  a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
+  check_contiguous(logits, "logits");
+  a.B = logits.size(0);
+  a.N = logits.size(1);
+  a.V = logits.size(2);
+  check_buffer(tokens, "tokens", at::kInt, {a.B, a.N}, "[B, N]");
+  check_buffer(parents, "parents", at::kInt, {a.B, a.N}, "[B, N]");
+  check_buffer(sampled_row, "sampled_row", at::kInt, {a.B, a.N}, "[B, N]");
+  check_buffer(q_tilde_ids, "q_tilde_ids", at::kInt, {-1, -1}, "[R, Se]");
+  const at::ScalarType acc = acc_dtype(a.dtype);
+  const char* acc_name = acc == at::kDouble ? "torch.float64" : "torch.float32";
+  RHEO_CHECK(q_tilde.scalar_type() == acc, "q_tilde must have dtype ", acc_name, " (float64 for "
+             "float64 logits, else float32), got ", at::toString(q_tilde.scalar_type()),
+             "; convert it with .to(", acc_name, ")");
+  check_buffer(q_tilde, "q_tilde", acc, {q_tilde_ids.size(0), q_tilde_ids.size(1)},
+               "[R, Se] (the shape of q_tilde_ids)");
+  for (const auto& [t, name] : {std::pair{&tokens, "tokens"}, {&parents, "parents"},
+                                {&sampled_row, "sampled_row"}, {&q_tilde_ids, "q_tilde_ids"},
+                                {&q_tilde, "q_tilde"}})
+    check_same_device(*t, name, logits, "logits");
+  RHEO_CHECK(top_k <= INT32_MAX, "top_k=", top_k, " must fit int32; use 0 to disable");
+  a.logits = logits.data_ptr();
+  a.tokens = tokens.data_ptr<int32_t>();
+  a.parents = parents.data_ptr<int32_t>();
+  a.sampled_row = sampled_row.data_ptr<int32_t>();
+  a.q_tilde_ids = q_tilde_ids.data_ptr<int32_t>();
+  a.q_tilde = q_tilde.data_ptr();
+  a.R = q_tilde_ids.size(0);
+  a.Se = q_tilde_ids.size(1);
+  a.method = static_cast<VerifyMethod>(method);
+  a.T = T;
+  a.top_p = top_p;
+  a.top_k = static_cast<int32_t>(top_k);
+  return a;
+}
+
+}  // namespace
+
+void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
+                  const at::Tensor& sampled_row, const at::Tensor& q_tilde_ids,
+                  const at::Tensor& q_tilde, int64_t method, double T, double top_p,
+                  int64_t top_k, uint64_t seed, uint64_t step, at::Tensor& accept_path,
+                  at::Tensor& accept_len, at::Tensor& bonus_token) {
+  const bool cuda = on_cuda(logits, "logits");
+  VerificationArgs a =
+      inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k);
+  check_buffer(accept_path, "accept_path", at::kInt, {a.B, -1}, "[B, P]");
+  check_buffer(accept_len, "accept_len", at::kInt, {a.B}, "[B]");
+  check_buffer(bonus_token, "bonus_token", at::kInt, {a.B}, "[B]");
+  check_same_device(accept_path, "accept_path", logits, "logits");
+  check_same_device(accept_len, "accept_len", logits, "logits");
+  check_same_device(bonus_token, "bonus_token", logits, "logits");
+  a.seed = seed;
+  a.step = step;
+  a.accept_path = accept_path.data_ptr<int32_t>();
+  a.path_capacity = accept_path.size(1);
+  a.accept_len = accept_len.data_ptr<int32_t>();
+  a.bonus_token = bonus_token.data_ptr<int32_t>();
+  if (!cuda) {
+    verification_cpu(a);
+    return;
+  }
+#ifdef RHEO_WITH_CUDA
+  // The tree rules are checked on host copies of the (small) int inputs and q~: one sync.
+  const at::Tensor h_tokens = tokens.cpu(), h_parents = parents.cpu(),
+                   h_sampled = sampled_row.cpu(), h_ids = q_tilde_ids.cpu(), h_q = q_tilde.cpu();
+  VerificationArgs host = a;
+  host.tokens = h_tokens.data_ptr<int32_t>();
+  host.parents = h_parents.data_ptr<int32_t>();
+  host.sampled_row = h_sampled.data_ptr<int32_t>();
+  host.q_tilde_ids = h_ids.data_ptr<int32_t>();
+  host.q_tilde = h_q.data_ptr();
+  verification_check_args(host);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  RHEO_CUDA_CHECK(verification_cuda(a, current_stream(logits)));
+#endif
+}
+
+void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
+                      const at::Tensor& parents, const at::Tensor& sampled_row,
+                      const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
+                      double T, double top_p, int64_t top_k, at::Tensor& accept_prob,
+                      at::Tensor& emit_prob) {
+  RHEO_CHECK(!on_cuda(logits, "logits"), "verification_law runs on the CPU only (tests and "
+             "analysis); move the inputs with .cpu()");
+  VerificationArgs a =
+      inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k);
+  const at::ScalarType acc = acc_dtype(a.dtype);
+  check_buffer(accept_prob, "accept_prob", acc, {a.B, a.N}, "[B, N]");
+  check_buffer(emit_prob, "emit_prob", acc, {a.B, a.N, a.V}, "[B, N, V]");
+  check_same_device(accept_prob, "accept_prob", logits, "logits");
+  check_same_device(emit_prob, "emit_prob", logits, "logits");
+  a.accept_prob = accept_prob.data_ptr();
+  a.emit_prob = emit_prob.data_ptr();
+  verification_law_cpu(a);
+}
+
+}  // namespace rheo::bind

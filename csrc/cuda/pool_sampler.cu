@@ -1,0 +1,287 @@
+// Pool sampler on CUDA (contract: rheo/pool_sampler.h; CPU twin: csrc/cpu/pool_sampler.cpp).
+//
+// Work mapping: one block of 256 threads per row. A row (V up to ~150k) is one block's worth of
+// streaming work, n (expanded nodes, ~10-100) fills the GPU well enough, and keeping a row inside
+// one block makes every cross-thread step a __syncthreads, with no inter-block protocol.
+// Per row:
+//   1. radix select (8 bits a pass, 256-bin shared histogram) of the key of the Se-th highest
+//      logit: every element above it is in the support, ties at it are taken lowest id first
+//      (an ordered block scan over V), so the support is exactly the CPU's;
+//   2. the Se entries are gathered into the row's outputs (q_tilde_ids, q_tilde as scratch) and
+//      rank-sorted in support order (descending logit, lower id first);
+//   3. the outside mass sum exp(l - M) over l below the support (block reduction in double);
+//   4. thread 0 runs the support math serially in double, in the CPU's order (z, z_T, the
+//      inverse CDF for Y with the same Philox coin, slots, proxies), so CPU and CUDA pick the same
+//      Y except when a coin falls within rounding of a CDF boundary;
+//   5. all threads write q~.
+// An invalid forced token cannot raise here: its row gets sampled_slot = -1 and the binding
+// reports it. Non-finite logits are not detected on this path (the CPU kernel rejects them).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "rheo/pool_sampler.h"
+
+namespace rheo {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxPerThread = 64;  // support entries a thread ranks: Se <= 256 * 64
+constexpr int64_t kMaxSupport = int64_t(kThreads) * kMaxPerThread;
+
+__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ double load(const double* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+
+// Order-preserving unsigned keys: a > b as reals <=> key(a) > key(b).
+__device__ __forceinline__ uint32_t key_of(float x) {
+  const uint32_t b = __float_as_uint(x);
+  return b ^ ((b >> 31) ? 0xFFFFFFFFu : 0x80000000u);
+}
+__device__ __forceinline__ uint64_t key_of(double x) {
+  const uint64_t b = static_cast<uint64_t>(__double_as_longlong(x));
+  return b ^ ((b >> 63) ? ~0ull : 0x8000000000000000ull);
+}
+
+template <typename T>
+__device__ T block_sum(T v, T* shared) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xFFFFFFFFu, v, off);
+  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+  __syncthreads();
+  T total = 0;
+  for (int w = 0; w < kThreads / 32; ++w) total += shared[w];
+  __syncthreads();
+  return total;
+}
+
+// Step 1: the key of the Se-th highest logit and how many entries equal to it the support takes.
+template <typename Src, typename Key>
+__device__ void radix_select(const Src* row, int64_t V, int64_t Se, Key* thr, int64_t* n_ties) {
+  __shared__ unsigned int hist[256];
+  __shared__ Key prefix_s;
+  __shared__ int64_t remaining_s;
+  if (threadIdx.x == 0) { prefix_s = 0; remaining_s = Se; }
+  for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
+    hist[threadIdx.x] = 0;
+    __syncthreads();
+    const Key prefix = prefix_s;
+    const Key high_mask = shift + 8 >= int(sizeof(Key)) * 8 ? Key(0) : ~Key(0) << (shift + 8);
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const Key k = key_of(load(row, i));
+      if ((k & high_mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFF], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int64_t above = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (above + hist[b] >= remaining_s) {
+          prefix_s = prefix | (Key(b) << shift);
+          remaining_s -= above;
+          break;
+        }
+        above += hist[b];
+      }
+    }
+    __syncthreads();
+  }
+  *thr = prefix_s;
+  *n_ties = remaining_s;
+  __syncthreads();
+}
+
+// Step 2: gather the support into ids / vals (the row's outputs as scratch), in support order.
+template <typename Src, typename Key, typename Acc>
+__device__ void gather_support(const Src* row, int64_t V, int64_t Se, int32_t* ids, Acc* vals) {
+  __shared__ unsigned int above_count, tie_count, warp_ties[kThreads / 32];
+  Key thr;
+  int64_t n_ties;
+  radix_select<Src, Key>(row, V, Se, &thr, &n_ties);
+  const int64_t n_above = Se - n_ties;
+  if (threadIdx.x == 0) { above_count = 0; tie_count = 0; }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t i0 = 0; i0 < V; i0 += kThreads) {  // tiles in id order: ties lowest id first
+    const int64_t i = i0 + threadIdx.x;
+    const Acc x = i < V ? Acc(load(row, i)) : Acc(0);
+    const Key k = i < V ? key_of(x) : Key(0);
+    const bool tie = i < V && k == thr;
+    if (i < V && k > thr) {
+      const unsigned int at = atomicAdd(&above_count, 1u);
+      ids[at] = static_cast<int32_t>(i);
+      vals[at] = x;
+    }
+    const unsigned int ballot = __ballot_sync(0xFFFFFFFFu, tie);
+    if (lane == 0) warp_ties[warp] = __popc(ballot);
+    __syncthreads();
+    unsigned int before = tie_count + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) before += warp_ties[w];
+    if (tie && before < n_ties) {
+      ids[n_above + before] = static_cast<int32_t>(i);
+      vals[n_above + before] = x;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 0; w < kThreads / 32; ++w) tie_count += warp_ties[w];
+    __syncthreads();
+  }
+  // Rank sort: rank = number of entries ahead in support order; then scatter in place.
+  int32_t my_id[kMaxPerThread];
+  Acc my_val[kMaxPerThread];
+  int32_t my_rank[kMaxPerThread];
+  int mine = 0;
+  for (int64_t j = threadIdx.x; j < Se; j += kThreads, ++mine) {
+    my_id[mine] = ids[j];
+    my_val[mine] = vals[j];
+    int32_t rank = 0;
+    for (int64_t o = 0; o < Se; ++o)
+      rank += vals[o] > my_val[mine] || (vals[o] == my_val[mine] && ids[o] < my_id[mine]);
+    my_rank[mine] = rank;
+  }
+  __syncthreads();
+  for (int t = 0; t < mine; ++t) {
+    ids[my_rank[t]] = my_id[t];
+    vals[my_rank[t]] = my_val[t];
+  }
+  __syncthreads();
+}
+
+// Step 3: sum of exp(l - M) over l < lmin, plus the ties at lmin left outside the support.
+template <typename Src, typename Acc>
+__device__ double outside_mass(const Src* row, int64_t V, int64_t Se, Acc M, Acc lmin) {
+  __shared__ double partial_d[kThreads / 32];
+  __shared__ long long partial_i[kThreads / 32];
+  double sum = 0.0;
+  long long at_or_above = 0;
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+    const Acc x = Acc(load(row, i));
+    if (x < lmin) sum += double(exp(x - M));
+    else ++at_or_above;
+  }
+  sum = block_sum(sum, partial_d);
+  at_or_above = block_sum(at_or_above, partial_i);
+  return sum + double(at_or_above - Se) * exp(double(lmin) - double(M));
+}
+
+struct RowPlan {  // thread 0's results, shared with the block for step 5
+  int64_t y;      // support index of Y, or -1
+  double W;       // tempered mass of the non-leads, relative to l_m
+  double l_m;     // l_{x_{m+1}}
+};
+
+// Step 4 (thread 0): the CPU's support math in the CPU's order (cpu/pool_sampler.cpp).
+template <typename Acc>
+__device__ RowPlan plan_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, const int32_t* ids,
+                            const Acc* vals, double outside) {
+  const int32_t m = a.m;
+  const double M = double(vals[0]);
+  double support_mass = 0.0;
+  for (int64_t j = 0; j < Se; ++j) support_mass += exp(double(vals[j]) - M);
+  const double log_total = log(outside + support_mass);
+  RowPlan plan{-1, 0.0, double(vals[m < Se ? m : 0])};
+  const int32_t forced_token = a.forced_sample ? a.forced_sample[r] : -1;
+  if (a.kind == PoolKind::kRheo && a.T > 0.0) {
+    double all = 0.0;
+    for (int64_t j = m; j < Se; ++j) plan.W += exp((double(vals[j]) - plan.l_m) / a.T);
+    for (int64_t j = 0; j < Se; ++j) all += exp((double(vals[j]) - M) / a.T);
+    const double log_zT = (plan.l_m - M) / a.T + log(plan.W) - log(all);
+    const double tiny = sizeof(Acc) == 8 ? DBL_MIN : FLT_MIN;
+    if (m == 0 || log_zT >= log(tiny)) {
+      if (forced_token != -1) {
+        for (int64_t j = m; j < Se; ++j)
+          if (ids[j] == forced_token && exp((double(vals[j]) - plan.l_m) / a.T) > 0.0) plan.y = j;
+      } else {
+        const double target = pool_coin(a.seed, a.step, a.level, uint32_t(r)) * plan.W;
+        double running = 0.0;
+        int64_t last_positive = m;
+        for (int64_t j = m; j < Se && plan.y < 0; ++j) {
+          const double w = exp((double(vals[j]) - plan.l_m) / a.T);
+          if (w > 0.0) last_positive = j;
+          running += w;
+          if (running > target) plan.y = j;
+        }
+        if (plan.y < 0) plan.y = last_positive;
+      }
+    }
+  }
+  // Slots: leads, Y at slot m (Lemma 4 proxy, never q(Y)), then the best remaining entries.
+  int32_t* tokens = a.tokens + r * a.K;
+  Acc* log_proxy = static_cast<Acc*>(a.log_proxy) + r * a.K;
+  int64_t j = 0;
+  for (int32_t slot = 0; slot < a.K; ++slot) {
+    if (plan.y >= 0 && slot == m) {
+      double proxy;
+      if (m == 0) {
+        proxy = log(fmin(1.0, exp(double(vals[0]) - M - log_total) + kProxyEpsilon));
+      } else {
+        double nonlead = outside;
+        for (int64_t k = Se - 1; k >= m; --k) nonlead += exp(double(vals[k]) - M);
+        proxy = fmin(double(vals[m - 1]) - M - log_total, log(nonlead) - log_total);
+      }
+      tokens[slot] = ids[plan.y];
+      log_proxy[slot] = Acc(fmax(proxy, double(vals[m]) - M - log_total));
+      continue;
+    }
+    if (j == plan.y) ++j;
+    tokens[slot] = ids[j];
+    log_proxy[slot] = Acc(double(vals[j]) - M - log_total);
+    ++j;
+  }
+  a.sampled_slot[r] = plan.y >= 0 ? m : -1;
+  return plan;
+}
+
+template <typename Src, typename Acc, typename Key>
+__global__ void __launch_bounds__(kThreads) pool_sampler_kernel(PoolSamplerArgs a) {
+  __shared__ RowPlan plan;
+  __shared__ double outside_s;
+  const int64_t r = blockIdx.x;
+  const int64_t Se = a.S < a.V ? a.S : a.V;
+  const Src* row = static_cast<const Src*>(a.logits) + r * a.row_stride;
+  int32_t* ids = a.q_tilde_ids + r * Se;
+  Acc* vals = static_cast<Acc*>(a.q_tilde) + r * Se;  // support logits until step 5
+  gather_support<Src, Key, Acc>(row, a.V, Se, ids, vals);
+  const double outside = outside_mass<Src, Acc>(row, a.V, Se, vals[0], vals[Se - 1]);
+  if (threadIdx.x == 0) {
+    outside_s = outside;
+    plan = plan_row<Acc>(a, r, Se, ids, vals, outside_s);
+  }
+  __syncthreads();
+  // Step 5: q~ = exp((l - l_m) / T) / W on support minus leads, 0 on the leads / without Y.
+  double q_y = 0.0;
+  for (int64_t j = threadIdx.x; j < Se; j += kThreads) {
+    const bool in_tilde = plan.y >= 0 && j >= a.m;
+    const double q = in_tilde ? exp((double(vals[j]) - plan.l_m) / a.T) / plan.W : 0.0;
+    if (j == plan.y) q_y = q;
+    vals[j] = Acc(q);
+  }
+  if (plan.y < 0 && threadIdx.x == 0) static_cast<Acc*>(a.q_sampled)[r] = Acc(0);
+  if (plan.y >= 0 && plan.y % kThreads == threadIdx.x) static_cast<Acc*>(a.q_sampled)[r] = Acc(q_y);
+}
+
+template <typename Src, typename Acc, typename Key>
+cudaError_t launch(const PoolSamplerArgs& a, cudaStream_t stream) {
+  pool_sampler_kernel<Src, Acc, Key><<<static_cast<unsigned int>(a.n), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t pool_sampler_cuda(const PoolSamplerArgs& a, cudaStream_t stream) {
+  if (a.n == 0) return cudaSuccess;
+  if ((a.S < a.V ? a.S : a.V) > kMaxSupport) return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case DType::kFloat32: return launch<float, float, uint32_t>(a, stream);
+    case DType::kFloat16: return launch<__half, float, uint32_t>(a, stream);
+    case DType::kBFloat16: return launch<__nv_bfloat16, float, uint32_t>(a, stream);
+    case DType::kFloat64: return launch<double, double, uint64_t>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace rheo

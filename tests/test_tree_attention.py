@@ -1,0 +1,224 @@
+"""Tree attention: the CPU kernel against reference.tree_attention_ref, hand-checked cases,
+attention on each root-to-leaf path, bad input; the CUDA kernel against the CPU kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rheo_engine import kernels, reference
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels.has_cuda()),
+    reason="needs a CUDA GPU and a CUDA build",
+)
+
+
+def random_tree_mask(B: int, N: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, N, N] uint8 ancestor masks of random trees (node 0 the root, parents before children)."""
+    mask = torch.zeros(B, N, N, dtype=torch.uint8)
+    for b in range(B):
+        for i in range(N):
+            mask[b, i, i] = 1
+            if i > 0:
+                parent = int(torch.randint(0, i, (1,), generator=gen))
+                mask[b, i] |= mask[b, parent]
+    return mask
+
+
+def random_inputs(B, N, H, Hkv, D, prefix_len, extra_rows=0, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    Lc = prefix_len + N + extra_rows
+    q = torch.randn(B, N, H, D, generator=gen).to(dtype)
+    k = torch.randn(B, Lc, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, Lc, Hkv, D, generator=gen).to(dtype)
+    return q, k, v, random_tree_mask(B, N, gen)
+
+
+# (B, N, H, Hkv, D, prefix_len): GQA groups 4, 1 and 6, prefix 0, N = 1, odd D, B > 1.
+CASES = [
+    (1, 7, 8, 2, 16, 13),
+    (2, 5, 4, 4, 32, 0),
+    (3, 1, 6, 1, 7, 9),
+    (2, 9, 6, 1, 80, 70),
+    (1, 12, 8, 2, 64, 150),
+    (2, 3, 2, 2, 1, 1),
+]
+
+
+@pytest.mark.parametrize("B,N,H,Hkv,D,prefix_len", CASES)
+def test_fp32_matches_reference(B, N, H, Hkv, D, prefix_len):
+    q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, extra_rows=2)
+    out = kernels.tree_attention(q, k, v, mask, prefix_len)
+    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, prefix_len),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_arbitrary_mask_and_scale():
+    # The kernel does not assume a tree: any 0/1 matrix, including empty rows, and any scale.
+    q, k, v, _ = random_inputs(2, 11, 4, 2, 24, 5, seed=3)
+    mask = (torch.rand(2, 11, 11, generator=torch.Generator().manual_seed(4)) < 0.4).to(torch.uint8)
+    mask[0, 3] = 0
+    out = kernels.tree_attention(q, k, v, mask, 5, scale=0.37)
+    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, 5, 0.37),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_long_prefix_spans_many_tiles():
+    q, k, v, mask = random_inputs(1, 20, 8, 2, 64, 1000, seed=5)
+    q = q * 3  # peaked softmax: the running max changes across tiles
+    out = kernels.tree_attention(q, k, v, mask, 1000)
+    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, 1000),
+                               atol=5e-6, rtol=1e-5)
+
+
+def test_strided_views():
+    # q as a transposed projection [B, H, N, D]; k, v as head-major cache slices with spare rows
+    # and a wider last dim (the kernel reads D elements of each row).
+    B, N, H, Hkv, D, prefix_len = 2, 6, 8, 2, 20, 17
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, N, D + 3, generator=gen)[..., :D].transpose(1, 2)
+    cache = torch.randn(2, B, Hkv, prefix_len + N + 5, D + 4, generator=gen)
+    k, v = (cache[i, :, :, : prefix_len + N + 2, 1 : D + 1].transpose(1, 2) for i in range(2))
+    mask = random_tree_mask(B, N, gen)
+    assert not (q.is_contiguous() or k.is_contiguous())
+    out = kernels.tree_attention(q, k, v, mask, prefix_len)
+    torch.testing.assert_close(
+        out, reference.tree_attention_ref(q.contiguous(), k.contiguous(), v.contiguous(), mask,
+                                          prefix_len), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,N,H,Hkv,D,prefix_len", [(2, 9, 8, 2, 64, 200), (1, 5, 6, 1, 80, 0)])
+def test_half_precision_error_within_torch_noise(dtype, B, N, H, Hkv, D, prefix_len):
+    # Tolerance from measured noise (STYLE.md §8): against the fp32 reference on the same rounded
+    # inputs, the kernel's error may be at most 2x that of the torch reference run in `dtype`.
+    q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, dtype=dtype, seed=11)
+    exact = reference.tree_attention_ref(q.float(), k.float(), v.float(), mask, prefix_len)
+    torch_low = reference.tree_attention_ref(q, k, v, mask, prefix_len, compute_dtype=dtype)
+    out = kernels.tree_attention(q, k, v, mask, prefix_len)
+    assert out.dtype == dtype
+    kernel_err = (out.float() - exact).abs().max().item()
+    torch_err = (torch_low.float() - exact).abs().max().item()
+    assert kernel_err <= 2 * torch_err + 1e-4, (kernel_err, torch_err)
+    # The kernel computes in fp32, so its only error is rounding the output once.
+    assert kernel_err <= 2 * (exact.abs().max().item() * 2.0 ** -8) + 1e-6
+
+
+def test_literal_values():
+    # D = 1, q = 0: every visible row gets the same weight, so each output is a plain average.
+    # Prefix v = [1]; tree v = [3, 8]; node 1 is the child of node 0.
+    q = torch.zeros(1, 2, 1, 1)
+    k = torch.randn(1, 3, 1, 1)
+    v = torch.tensor([1.0, 3.0, 8.0]).view(1, 3, 1, 1)
+    mask = torch.tensor([[[1, 0], [1, 1]]], dtype=torch.uint8)
+    out = kernels.tree_attention(q, k, v, mask, prefix_len=1)
+    torch.testing.assert_close(out.flatten(), torch.tensor([2.0, 4.0]))
+    # Scores 0 and log(3) (scale 1): weights 1/4 and 3/4 for node 0 -> 1/4 + 9/4 = 2.5.
+    k = torch.tensor([0.0, 1.0, 0.0]).view(1, 3, 1, 1)
+    q = torch.full((1, 2, 1, 1), float(torch.tensor(3.0).log()))
+    out = kernels.tree_attention(q, k, v, mask, prefix_len=1, scale=1.0)
+    assert out[0, 0, 0, 0].item() == pytest.approx(2.5, abs=1e-6)
+
+
+def test_self_only_mask_is_softmax_over_prefix_and_self():
+    B, N, H, Hkv, D, prefix_len = 2, 4, 4, 2, 8, 6
+    q, k, v, _ = random_inputs(B, N, H, Hkv, D, prefix_len, seed=13)
+    mask = torch.eye(N, dtype=torch.uint8).expand(B, N, N).contiguous()
+    out = kernels.tree_attention(q, k, v, mask, prefix_len)
+    for b in range(B):
+        for i in range(N):
+            rows = list(range(prefix_len)) + [prefix_len + i]
+            for h in range(H):
+                kv_head = h // (H // Hkv)
+                w = torch.softmax(k[b, rows, kv_head] @ q[b, i, h] * D**-0.5, dim=0)
+                torch.testing.assert_close(out[b, i, h], w @ v[b, rows, kv_head])
+
+
+def test_equals_causal_attention_on_each_path():
+    # Tree: 0 -> {1, 2}, 1 -> {3, 4}, 2 -> {5}, 5 -> {6}. Each leaf's path, laid out as a plain
+    # sequence after the prefix, under causal attention must give the tree's outputs.
+    parents = [-1, 0, 0, 1, 1, 2, 5]
+    N, H, Hkv, D, prefix_len = len(parents), 4, 2, 16, 5
+    mask = torch.zeros(1, N, N, dtype=torch.uint8)
+    for i, p in enumerate(parents):
+        mask[0, i, i] = 1
+        if p >= 0:
+            mask[0, i] |= mask[0, p]
+    q, k, v, _ = random_inputs(1, N, H, Hkv, D, prefix_len, seed=17)
+    out = kernels.tree_attention(q, k, v, mask, prefix_len)
+    for leaf in (3, 4, 6):
+        path = [leaf]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        rows = list(range(prefix_len)) + [prefix_len + n for n in path]
+        causal = torch.ones(len(path), len(rows), dtype=torch.bool).tril(prefix_len)
+        kp = k[0, rows].repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
+        vp = v[0, rows].repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[0, path].transpose(0, 1), kp, vp,
+                                                  attn_mask=causal)
+        torch.testing.assert_close(out[0, path], expected.transpose(0, 1), atol=2e-6, rtol=1e-5)
+
+
+def test_unused_cache_rows_are_never_read_and_blind_nodes_give_zeros():
+    q, k, v, mask = random_inputs(1, 4, 2, 1, 8, 0, extra_rows=3, seed=19)
+    k[:, 4:] = float("nan")
+    v[:, 4:] = float("nan")
+    mask[0, 2] = 0  # prefix 0 and an empty mask row: node 2 sees nothing
+    out = kernels.tree_attention(q, k, v, mask, 0)
+    assert torch.isfinite(out).all()
+    assert (out[0, 2] == 0).all()
+    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, 0))
+
+
+def _good():
+    return random_inputs(1, 3, 4, 2, 8, 2, seed=23)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda q, k, v, m: (q, k.half(), v, m, 2), "k must have dtype Float"),
+        (lambda q, k, v, m: (q.double(), k.double(), v.double(), m, 2), "float32, float16 or"),
+        (lambda q, k, v, m: (q[:, :, :3], k, v, m, 2), r"H=3 heads is not a multiple of Hkv=2"),
+        (lambda q, k, v, m: (q, k, v, m, -1), "prefix_len must be >= 0, got -1"),
+        (lambda q, k, v, m: (q, k, v, m, 3), r"prefix_len \+ N must be <= Lc.*Lc=5"),
+        (lambda q, k, v, m: (q, k, v, m[:, :2], 2), r"tree_mask must be \[B, N, N\]"),
+        (lambda q, k, v, m: (q, k, v, m.bool(), 2), "tree_mask must have dtype"),
+        (lambda q, k, v, m: (q, k, v[:, :4], m, 2), r"v must be \[B, Lc, Hkv, D\]"),
+        (lambda q, k, v, m: (q, k[..., :4], v, m, 2), r"k must be \[B, Lc, Hkv, D\]"),
+        (lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, m, 2),
+         r"q must have a dense last dim.*\.contiguous\(\)"),
+        (lambda q, k, v, m: (q, k, v.transpose(1, 2).contiguous().transpose(1, 2), m, 2),
+         r"k and v must have the same strides.*\.contiguous\(\)"),
+    ],
+)
+def test_bad_input_raises_value_error(change, match):
+    q, k, v, mask, prefix_len = change(*_good())
+    with pytest.raises(ValueError, match=match):
+        kernels.tree_attention(q, k, v, mask, prefix_len)
+
+
+def test_bad_input_names_gqa_rule_exactly():
+    q, k, v, mask = random_inputs(1, 2, 32, 6, 4, 1, seed=29)
+    with pytest.raises(ValueError, match=r"H=32 heads is not a multiple of Hkv=6 KV heads \(GQA"):
+        kernels.tree_attention(q, k, v, mask, 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "B,N,H,Hkv,D,prefix_len",
+    [(1, 60, 32, 8, 128, 1000), (3, 1, 6, 1, 7, 0), (2, 37, 12, 4, 80, 513), (99, 5, 4, 4, 64, 3)],
+)
+def test_cuda_matches_cpu(dtype, B, N, H, Hkv, D, prefix_len):
+    q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, extra_rows=4, dtype=dtype, seed=31)
+    mask[0, -1, :] = 0  # one node blind when prefix_len = 0
+    cpu = kernels.tree_attention(q, k, v, mask, prefix_len)
+    q_c, k_c, v_c, mask_c = (t.cuda() for t in (q, k, v, mask))
+    gpu = kernels.tree_attention(q_c.transpose(1, 2).contiguous().transpose(1, 2), k_c, v_c,
+                                 mask_c, prefix_len).cpu()
+    # Both accumulate in fp32; they differ only by summation order and one output rounding.
+    tol = 2e-5 if dtype == torch.float32 else (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
+    torch.testing.assert_close(gpu.float(), cpu.float(), atol=tol, rtol=tol)
