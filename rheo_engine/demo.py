@@ -14,7 +14,7 @@ import torch
 
 from rheo_engine import kernels
 from rheo_engine.config import METHODS, SamplingConfig, TreeConfig
-from rheo_engine.engine import decode
+from rheo_engine.loop import decode
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
 
 

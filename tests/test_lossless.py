@@ -22,7 +22,7 @@ from rheo_engine import draft as draft_module
 from rheo_engine import kernels, reference
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.draft import DraftTree, draft_tree, pool_kind
-from rheo_engine.engine import decode
+from rheo_engine.loop import decode
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
 from rheo_engine.verify import verify_law
 
@@ -234,7 +234,7 @@ def tree_step_law(target: NGramTable, drafter_table: NGramTable, history, cfg, s
         )  # fmt: skip
 
     for weight, dt in enumerate_drafts(cfg, sampling.temperature, build):
-        logits = NGramTarget(target, hist).tree_logits(dt.tree)
+        logits, _ = NGramTarget(target, hist).forward_tree(dt.tree)
         for seq, prob in step_law(dt, logits, cfg.method, sampling).items():
             law[seq] = law.get(seq, 0.0) + weight * prob
     return law

@@ -79,8 +79,8 @@ class NGramTarget:
         self.table = table
         self.history = history.to(torch.int32)  # [B, order - 1], ends with the root
 
-    def tree_logits(self, tree: kernels.Tree) -> torch.Tensor:
-        return self.table(node_contexts(tree, self.history)).contiguous()
+    def forward_tree(self, tree: kernels.Tree) -> tuple[torch.Tensor, None]:
+        return self.table(node_contexts(tree, self.history)).contiguous(), None
 
     def commit(self, tree: kernels.Tree, verdict: kernels.Verdict) -> None:
         self.history = advance_history(self.history, tree, verdict)
@@ -105,5 +105,5 @@ class NGramDraft:
         self._expanded = ctx
         return self.table(ctx).contiguous()
 
-    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict) -> None:
+    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict, features: None = None) -> None:
         self.history = advance_history(self.history, tree, verdict)
