@@ -2,8 +2,9 @@
 
 One realistic tree (N = 60, depth 8, the first child of each node carries its parent's likely
 token so the walk accepts a few levels; the second child is the sampled Y with a 128-entry q~),
-fp32 logits [60, V]. The torch-native walk runs softmax/masking ops per visited node in float64
-(the kernel's precision) and must agree with the kernel on the same coins before timing.
+fp32 and bf16 logits [60, V]. The torch-native walk runs the softmax per visited node in float32
+(the kernel's acc_t for fp32/bf16 logits) and the residual bookkeeping in float64, as the kernel
+does, and must agree with the kernel on the same coins before timing.
 Usage: python bench/bench_verification.py [--quick]
 """
 
@@ -56,7 +57,7 @@ def torch_native(logits, tokens, parents, sampled, q_ids, q_tilde, method, T, se
     par, tok, samp = parents[0].tolist(), tokens[0].tolist(), sampled[0].tolist()
     path, node = [0], 0
     while True:
-        w = torch.softmax(logits[0, node].double() / T, 0)
+        w = torch.softmax(logits[0, node].float() / T, 0).double()
         Z, nnz = 1.0, int((w > 0).sum())
         kids = [c for c in range(node + 1, N) if par[c] == node]
         ys = [k for k, c in enumerate(kids) if samp[c] >= 0 and method == "rheo"]
@@ -113,28 +114,32 @@ def main() -> None:
                                 text=True, check=True).stdout.strip()  # fmt: skip
     except (subprocess.CalledProcessError, FileNotFoundError):
         commit = "uncommitted"
-    print(f"# device=cpu dtype=float32 logits, torch {torch.__version__}, "
+    print(f"# device=cpu, torch {torch.__version__}, "
           f"threads={torch.get_num_threads()}, commit={commit or 'uncommitted'}")  # fmt: skip
-    print("kernel,method,N,V,T,mean_accept_len,us_kernel,us_torch_native,speedup,GB_per_s")
+    print("kernel,dtype,method,N,V,T,mean_accept_len,us_kernel,us_torch_native,speedup,GB_per_s")
     for V, boost in [(32000, 12.0), (128256, 13.5)]:
-        args = make_tree(V, boost)
-        for method in ["topk", "rheo"]:
-            T = 1.0
-            lens = []
-            for step in range(reps):  # agreement on the same coins first
-                out = kernels.verification(*args, method, T, seed=1, step=step)
-                path, bonus = torch_native(*args, method, T, 1, step)
-                n = int(out.accept_len[0])
-                assert out.accept_path[0, :n].tolist() == path and int(out.bonus_token[0]) == bonus
-                lens.append(n)
-            steps = iter(range(10**9))
-            us_k = median_us(lambda: kernels.verification(*args, method, T, seed=1, step=next(steps)), reps)
-            steps = iter(range(10**9))
-            us_t = median_us(lambda: torch_native(*args, method, T, 1, next(steps)), reps)
-            mean_len = statistics.mean(lens)
-            gbs = mean_len * V * 4 / us_k * 1e-3
-            print(f"verification_cpu,{method},60,{V},{T},{mean_len:.2f},{us_k:.1f},{us_t:.1f},"
-                  f"{us_t / us_k:.2f},{gbs:.2f}")  # fmt: skip
+        for dtype in (torch.float32, torch.bfloat16):
+            args = list(make_tree(V, boost))
+            args[0] = args[0].to(dtype)
+            for method in ["topk", "rheo"]:
+                T = 1.0
+                lens = []
+                for step in range(reps):  # agreement on the same coins first
+                    out = kernels.verification(*args, method, T, seed=1, step=step)
+                    path, bonus = torch_native(*args, method, T, 1, step)
+                    n = int(out.accept_len[0])
+                    assert out.accept_path[0, :n].tolist() == path
+                    assert int(out.bonus_token[0]) == bonus
+                    lens.append(n)
+                steps = iter(range(10**9))
+                us_k = median_us(lambda: kernels.verification(*args, method, T, seed=1, step=next(steps)), reps)
+                steps = iter(range(10**9))
+                us_t = median_us(lambda: torch_native(*args, method, T, 1, next(steps)), reps)
+                mean_len = statistics.mean(lens)
+                gbs = mean_len * V * args[0].element_size() / us_k * 1e-3
+                name = str(dtype).removeprefix("torch.")
+                print(f"verification_cpu,{name},{method},60,{V},{T},{mean_len:.2f},{us_k:.1f},{us_t:.1f},"
+                      f"{us_t / us_k:.2f},{gbs:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

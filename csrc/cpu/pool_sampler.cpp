@@ -1,20 +1,26 @@
 // Pool sampler on the CPU (contract: csrc/include/rheo/pool_sampler.h, DESIGN.md §2.1).
 //
 // One row at a time (OpenMP over rows). Per row:
-//   pass 1  over V: the Se highest logits in a bounded heap (one compare per element against the
-//                   heap's worst entry; inserts are rare) and a finiteness check;
+//   pass 1  over V: the Se highest logits in a bounded heap and a finiteness check; 16 logits at
+//                   a time are compared with the heap's worst entry, and only passing lanes are
+//                   inserted (rare once the heap is full);
 //   pass 2  over V: the untempered mass outside the support, sum exp(l - M) for l below the
 //                   support (M = the row max = the best support logit);
 //   then, on the Se support entries only, in double: log q, the leads, z, q~, Y, the fills.
-// Exponentials over V use a polynomial expf that the compiler vectorises (max rel. error about
-// 2e-7); every quantity on the support uses std::exp in double.
+// fp32 / bf16 / fp16 rows are read as float 16 lanes at a time (cpu_math.h, converted on the fly)
+// and exponentials over V use its float polynomial exp (max rel. error about 2e-7), summed in
+// float per block of kSumBlock and then in double; every quantity on the support uses std::exp in
+// double. The fp64 path (exact tests) is scalar, in double throughout.
 #include "rheo/pool_sampler.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "cpu_math.h"
 
 namespace rheo {
 
@@ -38,67 +44,11 @@ void pool_sampler_check_args(const PoolSamplerArgs& a) {
 
 namespace {
 
-constexpr int64_t kBlock = 512;  // elements converted / scanned at a time (fits in L1)
+using cpu::Float16;
+using cpu::Int16;
+using cpu::kLanes;
 
-// exp(x) for 16 floats x <= 0: x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial (max
-// rel. error about 2e-7), 2^n through the exponent bits; exp(x < -87) = 0. Written on GCC/Clang
-// vector types because the compilers will not if-convert the scalar selects under
-// -ftrapping-math; the width suits AVX-512 and splits into AVX2 / SSE registers elsewhere.
-typedef float Float16 __attribute__((vector_size(64)));
-typedef int32_t Int16 __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) inline void fast_exp16(const Float16& x, Float16& out) {
-  const Float16 lo = Float16{} - 87.0f;
-  const Int16 keep = x >= lo;
-  const Float16 xc = keep ? x : lo;
-  const Float16 n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const Float16 r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;
-  Float16 p = Float16{} + 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const Int16 bits = (__builtin_convertvector(n, Int16) + 127) << 23;
-  out = keep ? p * (Float16)bits : Float16{};
-}
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (mant << 13);  // inf / NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);
-  } else {  // zero or subnormal: value = mant * 2^-24, exact in float
-    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Block [i0, i0 + len) of a row as Real: the row itself when no conversion is needed.
-template <typename Real>
-const Real* load_block(const void* row, DType dtype, int64_t i0, int64_t len, Real* buf) {
-  if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {
-    const uint16_t* src = static_cast<const uint16_t*>(row) + i0;
-    for (int64_t i = 0; i < len; ++i)
-      buf[i] = dtype == DType::kFloat16 ? half_to_float(src[i]) : bf16_to_float(src[i]);
-    return buf;
-  }
-  return static_cast<const Real*>(row) + i0;  // Real matches the dtype (float32 / float64)
-}
+constexpr int64_t kSumBlock = 1024;  // elements summed in float before the sum goes to double
 
 template <typename Real>
 struct Entry {
@@ -108,9 +58,26 @@ struct Entry {
 
 // Support order: descending logit, ties lower token id first. As a heap comparator it keeps the
 // worst entry of the support on top.
+struct Better {
+  template <typename Real>
+  bool operator()(const Entry<Real>& a, const Entry<Real>& b) const {
+    return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+  }
+};
+
+// Replaces the heap's worst entry (the root) by `e`, which ranks before it, and restores the heap.
 template <typename Real>
-inline bool better(const Entry<Real>& a, const Entry<Real>& b) {
-  return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+inline void replace_worst(Entry<Real>* heap, int64_t size, Entry<Real> e) {
+  int64_t j = 0;
+  while (true) {
+    int64_t child = 2 * j + 1;
+    if (child >= size) break;
+    if (child + 1 < size && Better()(heap[child], heap[child + 1])) ++child;  // the worse child
+    if (!Better()(e, heap[child])) break;
+    heap[j] = heap[child];
+    j = child;
+  }
+  heap[j] = e;
 }
 
 struct RowError {
@@ -120,101 +87,185 @@ struct RowError {
   const char* why = "";
 };
 
-template <typename Real>
-bool all_finite(const Real* x, int64_t len) {
-  int bad = 0;
-  for (int64_t i = 0; i < len; ++i) bad |= !(std::abs(x[i]) <= std::numeric_limits<Real>::max());
-  return !bad;
+// Pass 1 (float rows): the row max M as an order key, the max key of each chunk of whole 16-lane
+// blocks into chunk_max[0..n_chunks), and the first non-finite logit (or -1). With n_chunks >= Se
+// the Se-th largest chunk max t is a floor for the support: Se chunks hold a logit >= t, so every
+// support entry is >= t. About kChunksPerSlot chunks per support slot keep t close to the Se-th
+// largest logit (few candidates in pass 2); V < 16 Se gives no floor (every logit a candidate).
+constexpr int64_t kChunksPerSlot = 4;
+
+inline int64_t chunk_length(int64_t V, int64_t Se) {
+  return std::max<int64_t>(kLanes, V / (kChunksPerSlot * Se * kLanes) * kLanes);
 }
 
-template <typename Real>
-bool any_above(const Real* x, int64_t len, Real threshold) {
-  int above = 0;
-  for (int64_t i = 0; i < len; ++i) above |= x[i] > threshold;
-  return above;
+template <typename Row>
+RHEO_ALWAYS_INLINE int64_t bound_row(const typename Row::Elem* row, int64_t V, int64_t Se,
+                                     int32_t* max_key, int32_t* chunk_max) {
+  const int64_t chunk = chunk_length(V, Se), n_chunks = V / chunk;
+  Int16 bad = Int16{}, row_max = Int16{} + std::numeric_limits<int32_t>::min();
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    Int16 in_chunk = Int16{} + std::numeric_limits<int32_t>::min();
+    for (int64_t i = c * chunk; i < (c + 1) * chunk; i += kLanes) {
+      const Float16 v = Row::load16(row + i);
+      bad |= cpu::ones_where_non_finite(v);
+      const Int16 key = cpu::order_key16(v);
+      in_chunk = key > in_chunk ? key : in_chunk;
+    }
+    row_max = in_chunk > row_max ? in_chunk : row_max;
+    chunk_max[c] = cpu::max16(in_chunk);
+  }
+  int32_t top = cpu::max16(row_max);
+  for (int64_t i = n_chunks * chunk; i < V; ++i) {
+    const float x = Row::load1(row, i);
+    bad[0] |= !std::isfinite(x);
+    top = std::max(top, cpu::order_key(x));
+  }
+  *max_key = top;
+  if (!cpu::any16(bad)) return -1;
+  for (int64_t j = 0;; ++j)
+    if (!std::isfinite(Row::load1(row, j))) return j;
 }
 
-// Pass 1: the Se best entries of the row, sorted in support order. Returns false (and fills
-// `err`) on a non-finite logit. Scanning ids upwards, a logit equal to the heap's worst loses the
-// tie (higher id), so a strict `>` decides every insertion.
+// Pass 2 (float rows): the candidates (key >= floor_key, in id order) and the sum of exp(x - M)
+// over the other logits, which are all outside the support. Float sums over blocks of kSumBlock
+// (four accumulators, so the adds do not wait on each other), then double.
+RHEO_ALWAYS_INLINE void scan_block(const Float16& v, int64_t i0, int32_t floor_key, float M,
+                                   Float16& acc, std::vector<Entry<float>>& cand) {
+  const Int16 key = cpu::order_key16(v);
+  // exp16 flushes inputs below -87 to 0; masking its input keeps the selects apart (GCC 12 fuses
+  // nested selects into a mask AND that it only does in scalar code).
+  acc += cpu::exp16(key < floor_key ? v - M : Float16{} - 100.0f);
+  if (!cpu::any16(key >= floor_key ? Int16{} + 1 : Int16{})) return;
+  for (int k = 0; k < kLanes; ++k)
+    if (key[k] >= floor_key) cand.push_back({v[k], static_cast<int32_t>(i0 + k)});
+}
+
+template <typename Row>
+RHEO_ALWAYS_INLINE double scan_row(const typename Row::Elem* row, int64_t V, float M,
+                                   int32_t floor_key, std::vector<Entry<float>>& cand) {
+  double sum = 0.0;
+  int64_t i = 0;
+  while (i + 4 * kLanes <= V) {
+    Float16 acc[4] = {};
+    const int64_t end = std::min(V, i + kSumBlock) - 4 * kLanes;
+    for (; i <= end; i += 4 * kLanes)
+      for (int u = 0; u < 4; ++u)
+        scan_block(Row::load16(row + i + u * kLanes), i + u * kLanes, floor_key, M, acc[u], cand);
+    const Float16 all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (int k = 0; k < kLanes; ++k) sum += static_cast<double>(all[k]);
+  }
+  for (; i < V; ++i) {
+    const float x = Row::load1(row, i);
+    if (cpu::order_key(x) >= floor_key) cand.push_back({x, static_cast<int32_t>(i)});
+    else sum += std::exp(static_cast<double>(x) - M);
+  }
+  return sum;
+}
+
+// One compiled clone set per element type (target_clones does not apply to templates).
+#define RHEO_POOL_PASSES(name, Row)                                                            \
+  RHEO_SIMD_CLONES int64_t bound_##name(const Row::Elem* x, int64_t V, int64_t Se,            \
+                                        int32_t* max_key, int32_t* chunk_max) {               \
+    return bound_row<Row>(x, V, Se, max_key, chunk_max);                                       \
+  }                                                                                            \
+  RHEO_SIMD_CLONES double scan_##name(const Row::Elem* x, int64_t V, float M, int32_t floor_key, \
+                                      std::vector<Entry<float>>& cand) {                       \
+    return scan_row<Row>(x, V, M, floor_key, cand);                                            \
+  }
+RHEO_POOL_PASSES(f32, cpu::F32Row)
+RHEO_POOL_PASSES(bf16, cpu::Bf16Row)
+RHEO_POOL_PASSES(f16, cpu::F16Row)
+#undef RHEO_POOL_PASSES
+
+// The fp64 path (exact tests) stays scalar: the same heap rule and std::exp in double.
+int64_t select_f64(const double* x, int64_t V, int64_t Se, Entry<double>* heap) {
+  for (int64_t i = 0; i < V; ++i)
+    if (!std::isfinite(x[i])) return i;
+  for (int64_t i = 0; i < Se; ++i) heap[i] = {x[i], static_cast<int32_t>(i)};
+  std::make_heap(heap, heap + Se, Better());
+  for (int64_t i = Se; i < V; ++i)
+    if (x[i] > heap[0].logit) replace_worst(heap, Se, {x[i], static_cast<int32_t>(i)});
+  return -1;
+}
+
+double outside_f64(const double* x, int64_t V, double M, double lmin, int64_t* at_or_above) {
+  double sum = 0.0;
+  *at_or_above = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (x[i] < lmin) sum += std::exp(x[i] - M);
+    else ++*at_or_above;
+  }
+  return sum;
+}
+
+// fp64 rows: outside mass given the support. Logits strictly below the worst support logit
+// `lmin` are outside; of those at or above it, all but the Se support entries are ties at `lmin`
+// (higher ids), each of mass exp(lmin - M).
+double outside_mass_f64(const double* x, int64_t V, int64_t Se, double M, double lmin) {
+  int64_t at_or_above = 0;
+  const double below = outside_f64(x, V, M, lmin, &at_or_above);
+  return below + static_cast<double>(at_or_above - Se) * std::exp(lmin - M);
+}
+
+// Passes 1 and 2 of one row: the Se best entries sorted in support order into `support`, and the
+// outside mass, sum exp(l - M) over every token outside the support (M = the row max). False (and
+// `err` filled) on a non-finite logit. Summing the outside directly (rather than total minus
+// support) keeps its relative error at float rounding even when the support holds almost all of
+// the mass. `cand` is scratch.
 template <typename Real>
-bool select_support(const void* row, DType dtype, int64_t V, int64_t Se,
-                    std::vector<Entry<Real>>& heap, RowError& err) {
-  Real buf[kBlock];
-  heap.clear();
-  for (int64_t i0 = 0; i0 < V; i0 += kBlock) {
-    const int64_t len = std::min(kBlock, V - i0);
-    const Real* x = load_block(row, dtype, i0, len, buf);
-    if (!all_finite(x, len)) {
-      int64_t i = 0;
-      while (std::abs(x[i]) <= std::numeric_limits<Real>::max()) ++i;
-      err = {1, i0 + i, static_cast<double>(x[i]), ""};
+bool scan_support(const void* row, DType dtype, int64_t V, int64_t Se,
+                  std::vector<Entry<Real>>& support, std::vector<int32_t>& chunk_max,
+                  std::vector<Entry<float>>& cand, double* outside, RowError& err) {
+  support.resize(Se);
+  if constexpr (std::is_same_v<Real, double>) {
+    const double* x = static_cast<const double*>(row);
+    const int64_t bad = select_f64(x, V, Se, support.data());
+    if (bad >= 0) {
+      err = {1, bad, x[bad], ""};
       return false;
     }
-    int64_t i = 0;
-    for (; i < len && static_cast<int64_t>(heap.size()) < Se; ++i) {
-      heap.push_back({x[i], static_cast<int32_t>(i0 + i)});
-      if (static_cast<int64_t>(heap.size()) == Se)
-        std::make_heap(heap.begin(), heap.end(), better<Real>);
+    std::sort_heap(support.begin(), support.end(), Better());  // best first
+    *outside = outside_mass_f64(x, V, Se, support[0].logit, support[Se - 1].logit);
+    return true;
+  } else {
+    const auto* f32 = static_cast<const float*>(row);
+    const auto* u16 = static_cast<const uint16_t*>(row);
+    int32_t max_key;
+    chunk_max.resize(V / kLanes + 1);
+    const int64_t bad = dtype == DType::kBFloat16 ? bound_bf16(u16, V, Se, &max_key, chunk_max.data())
+                        : dtype == DType::kFloat16 ? bound_f16(u16, V, Se, &max_key, chunk_max.data())
+                                                   : bound_f32(f32, V, Se, &max_key, chunk_max.data());
+    if (bad >= 0) {
+      const float value = dtype == DType::kFloat32    ? f32[bad]
+                          : dtype == DType::kBFloat16 ? cpu::bf16_to_float(u16[bad])
+                                                      : cpu::half_to_float(u16[bad]);
+      err = {1, bad, value, ""};
+      return false;
     }
-    if (i == len || !any_above(x + i, len - i, heap.front().logit)) continue;
-    for (; i < len; ++i) {
-      if (!(x[i] > heap.front().logit)) continue;
-      std::pop_heap(heap.begin(), heap.end(), better<Real>);
-      heap.back() = {x[i], static_cast<int32_t>(i0 + i)};
-      std::push_heap(heap.begin(), heap.end(), better<Real>);
+    const int64_t n_chunks = V / chunk_length(V, Se);
+    int32_t floor_key = std::numeric_limits<int32_t>::min();
+    if (n_chunks >= Se) {  // the Se-th largest chunk max
+      std::nth_element(chunk_max.begin(), chunk_max.begin() + (Se - 1),
+                       chunk_max.begin() + n_chunks, std::greater<int32_t>());
+      floor_key = chunk_max[Se - 1];
     }
+    // -0.0 ties with a floor of +0.0 in the float order but has the lower key: admit it too.
+    if (floor_key == cpu::order_key(0.0f)) floor_key = cpu::order_key(-0.0f);
+    const float M = cpu::key_to_float(max_key);
+    cand.clear();
+    double sum = dtype == DType::kBFloat16 ? scan_bf16(u16, V, M, floor_key, cand)
+                 : dtype == DType::kFloat16 ? scan_f16(u16, V, M, floor_key, cand)
+                                            : scan_f32(f32, V, M, floor_key, cand);
+    // At least Se candidates (bound_row); the best Se of them are the support, and the rest
+    // (ties at the worst support logit included) are outside.
+    std::nth_element(cand.begin(), cand.begin() + (Se - 1), cand.end(), Better());
+    std::sort(cand.begin(), cand.begin() + Se, Better());
+    std::copy(cand.begin(), cand.begin() + Se, support.begin());
+    for (size_t k = Se; k < cand.size(); ++k)
+      sum += std::exp(static_cast<double>(cand[k].logit) - static_cast<double>(M));
+    *outside = sum;
+    return true;
   }
-  std::sort_heap(heap.begin(), heap.end(), better<Real>);  // best first
-  return true;
-}
-
-// Sum of exp(x - M) over the x < lmin of one block, and the count of x >= lmin. Compiled for
-// AVX-512, AVX2 and the baseline, picked at load time (the build passes no -march).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void outside_block(const float* x, int64_t len, float M, float lmin, double& sum,
-                   int64_t& at_or_above) {
-  Float16 acc = Float16{};
-  Int16 count = Int16{};
-  for (int64_t i = 0; i < len; i += 16) {
-    Float16 v = Float16{} + lmin;  // padding lanes count as "at or above" and are subtracted
-    std::memcpy(&v, x + i, sizeof(float) * std::min<int64_t>(16, len - i));
-    const Int16 outside = v < lmin;
-    Float16 e;
-    fast_exp16(v - M, e);
-    acc += outside ? e : Float16{};
-    count += outside ? Int16{} : Int16{} + 1;
-  }
-  for (int j = 0; j < 16; ++j) {
-    sum += static_cast<double>(acc[j]);
-    at_or_above += count[j];
-  }
-  at_or_above -= (16 - len % 16) % 16;
-}
-
-inline void outside_block(const double* x, int64_t len, double M, double lmin, double& sum,
-                          int64_t& at_or_above) {
-  for (int64_t i = 0; i < len; ++i) {
-    if (x[i] < lmin) sum += std::exp(x[i] - M);
-    else ++at_or_above;
-  }
-}
-
-// Pass 2: sum of exp(l - M) over the tokens outside the support. Logits strictly below the
-// worst support logit `lmin` are outside; of those equal to or above it, all but the Se support
-// entries are ties at `lmin` (higher ids), each of mass exp(lmin - M). Summing the outside
-// directly (rather than total minus support) keeps its relative error at float rounding even
-// when the support holds almost all of the mass.
-template <typename Real>
-double outside_mass(const void* row, DType dtype, int64_t V, int64_t Se, Real M, Real lmin) {
-  Real buf[kBlock];
-  double sum = 0.0;
-  int64_t at_or_above = 0;
-  for (int64_t i0 = 0; i0 < V; i0 += kBlock) {
-    const int64_t len = std::min(kBlock, V - i0);
-    outside_block(load_block(row, dtype, i0, len, buf), len, M, lmin, sum, at_or_above);
-  }
-  return sum + static_cast<double>(at_or_above - Se) * std::exp(static_cast<double>(lmin - M));
 }
 
 // Y ~ q~ on support minus leads (support indices m..Se-1), weights w_j = exp((l_j - l_m) / T).
@@ -255,11 +306,13 @@ int64_t forced_index(int32_t token, const int32_t* ids, int64_t Se, int32_t m, R
 
 template <typename Real, typename Acc>
 void pool_row(const PoolSamplerArgs& a, int64_t r, std::vector<Entry<Real>>& heap,
+              std::vector<int32_t>& chunks, std::vector<Entry<float>>& cand,
               std::vector<double>& work, RowError& err) {
   const int64_t Se = std::min<int64_t>(a.S, a.V);
   const size_t elem = a.dtype == DType::kFloat64 ? 8 : a.dtype == DType::kFloat32 ? 4 : 2;
   const void* row = static_cast<const char*>(a.logits) + r * a.row_stride * elem;
-  if (!select_support<Real>(row, a.dtype, a.V, Se, heap, err)) return;
+  double outside;
+  if (!scan_support<Real>(row, a.dtype, a.V, Se, heap, chunks, cand, &outside, err)) return;
   const Real M = heap[0].logit;
   double* l = work.data();        // [Se] support logits, support order
   double* log_q = l + Se;         // [Se] log q on the support
@@ -272,7 +325,6 @@ void pool_row(const PoolSamplerArgs& a, int64_t r, std::vector<Entry<Real>>& hea
     l[j] = static_cast<double>(heap[j].logit);
     support_mass += std::exp(l[j] - static_cast<double>(M));
   }
-  const double outside = outside_mass<Real>(row, a.dtype, a.V, Se, M, heap[Se - 1].logit);
   const double log_total = std::log(outside + support_mass);
   for (int64_t j = 0; j < Se; ++j) log_q[j] = l[j] - static_cast<double>(M) - log_total;
   // T = 0 forces the plain top-K pool for every kind (greedy; DESIGN.md §2.1).
@@ -335,11 +387,12 @@ void pool_rows(const PoolSamplerArgs& a, std::vector<RowError>& errors) {
   const int64_t Se = std::min<int64_t>(a.S, a.V);
 #pragma omp parallel if (a.n > 1 && a.n * a.V >= (1 << 16))
   {
-    std::vector<Entry<Real>> heap;
+    std::vector<Entry<Real>> heap(Se);  // [Se] the support, support order
+    std::vector<int32_t> chunks;         // float rows: [V / 16 + 1] chunk maxima of pass 1
+    std::vector<Entry<float>> cand;      // float rows: [>= Se] candidates of pass 2
     std::vector<double> work(3 * Se);
-    heap.reserve(Se);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < a.n; ++r) pool_row<Real, Acc>(a, r, heap, work, errors[r]);
+    for (int64_t r = 0; r < a.n; ++r) pool_row<Real, Acc>(a, r, heap, chunks, cand, work, errors[r]);
   }
 }
 

@@ -9,6 +9,8 @@
 // Everything is float32: loads are converted, scores, softmax and the V accumulation too.
 #include "rheo/tree_attention.h"
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -26,53 +28,10 @@ constexpr int64_t kTileRows = 64;    // cache rows per online-softmax step
 constexpr int64_t kTargetRows = 64;  // query rows per task (nodes * G), for K/V reuse
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// --- element conversions (IEEE binary16 and bfloat16 <-> float32, round to nearest even) ---
-
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-  if (exponent == 0x1F) return bits_to_float(sign | 0x7F800000u | (mantissa << 13));  // inf, NaN
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
-    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));  // rebias 15 -> 127
-}
-
-inline uint16_t float_to_half(float f) {
-  const uint32_t x = float_to_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7FFFFFFFu;
-  if (ax > 0x7F800000u) return sign | 0x7E00u;   // NaN
-  if (ax >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {                        // below 2^-14: subnormal half, units of 2^-24
-    return sign | static_cast<uint16_t>(std::nearbyint(bits_to_float(ax) * 16777216.0f));
-  }
-  uint32_t h = (ax - 0x38000000u) >> 13;  // rebias 127 -> 15, keep 10 mantissa bits
-  const uint32_t rest = ax & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry bumps the exponent: right
-  return sign | static_cast<uint16_t>(h);
-}
-
-inline float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
-
-inline uint16_t float_to_bf16(float f) {
-  const uint32_t x = float_to_bits(f);
-  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // NaN
-  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
+using cpu::bf16_to_float;
+using cpu::float_to_bf16;
+using cpu::float_to_half;
+using cpu::half_to_float;
 
 // D elements at `base + offset` (elements) as float32: fp32 rows are used in place, others are
 // converted into `buf` [D].

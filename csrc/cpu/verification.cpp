@@ -6,6 +6,8 @@
 // differ only in the `decide` callback (a Philox coin, or the exact probabilities).
 #include "rheo/verification.h"
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,76 +22,9 @@ namespace {
 // removed masses); it is re-summed from w, an O(V) pass reached with probability ~ Z.
 constexpr double kResumBelow = 1e-6;
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);  // normal
-  } else {
-    const float f = static_cast<float>(man) * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
-    return sign ? -f : f;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// The build targets x86-64-v2 (SSE, 2 doubles a vector); the hot loops are also compiled for
-// AVX2 / AVX-512 and picked at load time where the CPU has them, as torch's own kernels are.
-#if defined(__GNUC__) && defined(__x86_64__)
-#define RHEO_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define RHEO_SIMD_CLONES
-#endif
-
-// exp(d) for d <= 0 to ~1 ulp, branch-free so the softmax loop vectorises (glibc's scalar exp
-// was the bottleneck at V = 128k). Cody-Waite reduction d = k ln2 + r, |r| <= ln2 / 2, degree-13
-// Taylor polynomial; 2^k is applied as 2^(k + 512) * 2^-512 so subnormal results round once.
-inline double exp_nonpositive(double d) {
-  constexpr double kLog2e = 1.4426950408889634, kLn2Hi = 0.6931471803691238,
-                   kLn2Lo = 1.9082149292705877e-10, kRound = 6755399441055744.0;  // 1.5 * 2^52
-  // Clamp d at -800 (exp underflows to 0 below there) on the bits: for d <= 0 a larger unsigned
-  // pattern is a more negative d; a float compare would keep the loop scalar (-ftrapping-math).
-  constexpr uint64_t kFloorBits = 0xC089000000000000ull;  // -800.0
-  uint64_t d_bits;
-  std::memcpy(&d_bits, &d, sizeof(d));
-  d_bits = d_bits < kFloorBits ? d_bits : kFloorBits;
-  double dc;
-  std::memcpy(&dc, &d_bits, sizeof(dc));
-  const double t = dc * kLog2e + kRound;  // k = round(dc / ln2) sits in the low mantissa bits
-  const double kd = t - kRound;
-  const double r = (dc - kd * kLn2Hi) - kd * kLn2Lo;
-  double poly = 1.0 / 6227020800.0;  // Horner over 1/13!, 1/12!, ..., 1/1!, 1/0!
-  poly = poly * r + 1.0 / 479001600.0;
-  poly = poly * r + 1.0 / 39916800.0;
-  poly = poly * r + 1.0 / 3628800.0;
-  poly = poly * r + 1.0 / 362880.0;
-  poly = poly * r + 1.0 / 40320.0;
-  poly = poly * r + 1.0 / 5040.0;
-  poly = poly * r + 1.0 / 720.0;
-  poly = poly * r + 1.0 / 120.0;
-  poly = poly * r + 1.0 / 24.0;
-  poly = poly * r + 1.0 / 6.0;
-  poly = poly * r + 0.5;
-  poly = poly * r + 1.0;
-  poly = poly * r + 1.0;
-  uint64_t t_bits, round_bits;
-  std::memcpy(&t_bits, &t, sizeof(t));
-  std::memcpy(&round_bits, &kRound, sizeof(kRound));
-  const uint64_t scale_bits = (t_bits - round_bits + 512 + 1023) << 52;  // 2^(k + 512)
-  double scale;
-  std::memcpy(&scale, &scale_bits, sizeof(scale));
-  return poly * scale * 0x1p-512;  // one rounding, also for subnormal results
-}
+using cpu::bf16_to_float;
+using cpu::exp_nonpositive;
+using cpu::half_to_float;
 
 // Max with four independent lanes (a single running max is bound by the compare latency).
 inline double max4(const double* x, int64_t n) {
@@ -145,6 +80,7 @@ struct Residual {
   double Z;      // sum(w), tracked through the sparse updates
   int64_t nnz;   // #{v : w[v] > 0}, exact: the rounding guard reads it
   int64_t V;
+  double Z0;     // sum(w) of p itself: 1 when p is normalised (fp64), else the softmax sum
 };
 
 // First non-finite logit of a visited node, reported after the parallel region.
@@ -251,7 +187,7 @@ void process_target(const VerificationArgs& a, Workspace& ws, Residual& r) {
       if (x[v] > x[best]) best = v;
     std::fill(p, p + V, 0.0);
     p[best] = 1.0;
-    r = {p, 1.0, 1, V};
+    r = {p, 1.0, 1, V, 1.0};
     return;
   }
   double kth = -std::numeric_limits<double>::infinity();  // top-k: keep x >= k-th largest
@@ -266,7 +202,134 @@ void process_target(const VerificationArgs& a, Workspace& ws, Residual& r) {
   const double sum = sum4(p, V);
   divide_by(p, V, sum);
   if (a.top_p < 1.0) apply_top_p(p, V, a.top_p, ws.ids.get());
-  r = {p, 1.0, count_positive(p, V), V};
+  r = {p, 1.0, count_positive(p, V), V, 1.0};
+}
+
+// The fp32 / bf16 / fp16 path at T > 0 (acc_t = float in the header): the row is read in place
+// 16 lanes at a time (cpu_math.h), p uses the float exp (rel. error ~2e-7; sums per block in float,
+// then double) and stays unnormalised, r = w / Z with Z = the softmax sum, which saves a pass
+// over V. A coin within ~1e-6 relative of a threshold may fall otherwise than in the float64
+// reference; the tests count those as ties. fp64 logits and T = 0 keep the double path above.
+using cpu::Float16;
+using cpu::Int16;
+using cpu::kLanes;
+constexpr int64_t kSumBlock = 1024;
+
+template <typename Row>  // max key and first non-finite logit (-1: none)
+RHEO_ALWAYS_INLINE int64_t max_row(const typename Row::Elem* x, int64_t V, int32_t* max_key) {
+  Int16 bad = Int16{}, best = Int16{} + std::numeric_limits<int32_t>::min();
+  int64_t v = 0;
+  for (; v + kLanes <= V; v += kLanes) {
+    const Float16 f = Row::load16(x + v);
+    bad |= cpu::ones_where_non_finite(f);
+    const Int16 key = cpu::order_key16(f);
+    best = key > best ? key : best;
+  }
+  int32_t top = cpu::max16(best);
+  for (; v < V; ++v) {
+    bad[0] |= !std::isfinite(Row::load1(x, v));
+    top = std::max(top, cpu::order_key(Row::load1(x, v)));
+  }
+  *max_key = top;
+  if (!cpu::any16(bad)) return -1;
+  for (int64_t j = 0;; ++j)
+    if (!std::isfinite(Row::load1(x, j))) return j;
+}
+
+// w[v] = exp((x[v] - mx) / T) where key(x[v]) >= kth_key, else 0; returns sum(w), *nnz = #{w > 0}.
+template <typename Row>
+RHEO_ALWAYS_INLINE double exp_row(const typename Row::Elem* x, int64_t V, float mx, float inv_T,
+                                  int32_t kth_key, double* w, int64_t* nnz) {
+  typedef double Double16 __attribute__((vector_size(128)));
+  double sum = 0.0;
+  Int16 count = Int16{};
+  int64_t v = 0;
+  while (v + kLanes <= V) {
+    Float16 acc = Float16{};
+    for (const int64_t end = std::min(V, v + kSumBlock); v + kLanes <= end; v += kLanes) {
+      const Float16 f = Row::load16(x + v);
+      const Float16 e =
+          cpu::exp16(cpu::order_key16(f) >= kth_key ? (f - mx) * inv_T : Float16{} - 100.0f);
+      acc += e;
+      count += (Int16)e > 0 ? Int16{} + 1 : Int16{};  // e >= 0: positive bits iff e > 0
+      const Double16 e64 = __builtin_convertvector(e, Double16);
+      std::memcpy(w + v, &e64, sizeof e64);
+    }
+    for (int k = 0; k < kLanes; ++k) sum += static_cast<double>(acc[k]);
+  }
+  int64_t n = 0;
+  for (int k = 0; k < kLanes; ++k) n += count[k];
+  for (; v < V; ++v) {
+    const float f = Row::load1(x, v);
+    w[v] = cpu::order_key(f) >= kth_key ? std::exp(static_cast<double>((f - mx) * inv_T)) : 0.0;
+    sum += w[v];
+    n += w[v] > 0.0;
+  }
+  *nnz = n;
+  return sum;
+}
+
+#define RHEO_VERIFY_PASSES(name, Row)                                                          \
+  RHEO_SIMD_CLONES int64_t max_##name(const Row::Elem* x, int64_t V, int32_t* max_key) {      \
+    return max_row<Row>(x, V, max_key);                                                        \
+  }                                                                                            \
+  RHEO_SIMD_CLONES double exp_##name(const Row::Elem* x, int64_t V, float mx, float inv_T,     \
+                                     int32_t kth_key, double* w, int64_t* nnz) {               \
+    return exp_row<Row>(x, V, mx, inv_T, kth_key, w, nnz);                                     \
+  }
+RHEO_VERIFY_PASSES(f32, cpu::F32Row)
+RHEO_VERIFY_PASSES(bf16, cpu::Bf16Row)
+RHEO_VERIFY_PASSES(f16, cpu::F16Row)
+#undef RHEO_VERIFY_PASSES
+
+// Steps 0 and 1 on the float path: the processed target p of one node into r. False on NaN/inf.
+template <typename Elem, typename MaxFn, typename ExpFn, typename Load1>
+bool float_target(const VerificationArgs& a, const Elem* x, Workspace& ws, Residual& r,
+                  BadLogit* bad, MaxFn max_fn, ExpFn exp_fn, Load1 load1) {
+  const int64_t V = a.V;
+  int32_t max_key;
+  bad->token = max_fn(x, V, &max_key);
+  if (bad->token >= 0) {
+    bad->value = load1(x, bad->token);
+    return false;
+  }
+  int32_t kth_key = std::numeric_limits<int32_t>::min();  // top-k: keep x >= k-th largest
+  if (a.top_k > 0 && a.top_k < V) {
+    double* sorted = ws.sorted.get();
+    for (int64_t v = 0; v < V; ++v) sorted[v] = load1(x, v);
+    std::nth_element(sorted, sorted + (a.top_k - 1), sorted + V, std::greater<double>());
+    const float kth = static_cast<float>(sorted[a.top_k - 1]);
+    kth_key = cpu::order_key(kth == 0.0f ? -0.0f : kth);  // -0.0 ties with a k-th of +0.0
+  }
+  double* w = ws.w.get();
+  int64_t nnz;
+  const float inv_T = static_cast<float>(1.0 / a.T);
+  const double sum = exp_fn(x, V, cpu::key_to_float(max_key), inv_T, kth_key, w, &nnz);
+  r = {w, sum, nnz, V, sum};
+  if (a.top_p < 1.0) {
+    divide_by(w, V, sum);
+    apply_top_p(w, V, a.top_p, ws.ids.get());
+    r = {w, 1.0, count_positive(w, V), V, 1.0};
+  }
+  return true;
+}
+
+// Steps 0 and 1 at `node` of tree b, on the float path where it applies. False on NaN/inf.
+bool prepare_node(const VerificationArgs& a, int64_t b, int64_t node, Workspace& ws, Residual& r,
+                  BadLogit* bad) {
+  const int64_t off = (b * a.N + node) * a.V;
+  bad->node = node;
+  const auto* f32 = static_cast<const float*>(a.logits) + off;
+  const auto* u16 = static_cast<const uint16_t*>(a.logits) + off;
+  if (a.T > 0.0 && a.dtype == DType::kFloat32)
+    return float_target(a, f32, ws, r, bad, max_f32, exp_f32, cpu::F32Row::load1);
+  if (a.T > 0.0 && a.dtype == DType::kBFloat16)
+    return float_target(a, u16, ws, r, bad, max_bf16, exp_bf16, cpu::Bf16Row::load1);
+  if (a.T > 0.0 && a.dtype == DType::kFloat16)
+    return float_target(a, u16, ws, r, bad, max_f16, exp_f16, cpu::F16Row::load1);
+  if (!load_node(a, b, node, ws.x.get(), bad)) return false;
+  process_target(a, ws, r);
+  return true;
 }
 
 // Children of `node` in verification order (DESIGN.md §2 method table). Returns the count;
@@ -293,7 +356,7 @@ double q_tilde_at(const VerificationArgs& a, int64_t i) {
 }
 
 void resum_if_cancelled(Residual& r) {
-  if (r.Z >= kResumBelow) return;
+  if (r.Z >= kResumBelow * r.Z0) return;
   r.Z = 0.0;
   for (int64_t v = 0; v < r.V; ++v) r.Z += r.w[v];
 }
@@ -377,9 +440,8 @@ bool walk_tree(const VerificationArgs& a, int64_t b, Workspace& ws, BadLogit* ba
                        static_cast<uint32_t>(node), static_cast<uint32_t>(slot));
   };
   while (true) {
-    if (!load_node(a, b, node, ws.x.get(), bad)) return false;
     Residual r;
-    process_target(a, ws, r);
+    if (!prepare_node(a, b, node, ws, r, bad)) return false;
     const int32_t child = run_layer(a, t, node, r, ws.order.get(),
                                     [&](int64_t j, int32_t, double num, double den, bool forced) {
                                       return forced || coin(j) * den < num;
@@ -401,9 +463,8 @@ bool law_tree(const VerificationArgs& a, int64_t b, Workspace& ws, BadLogit* bad
   std::fill(accept, accept + a.N, Acc(0));
   accept[0] = Acc(1);
   for (int64_t node = 0; node < a.N; ++node) {
-    if (!load_node(a, b, node, ws.x.get(), bad)) return false;
     Residual r;
-    process_target(a, ws, r);
+    if (!prepare_node(a, b, node, ws, r, bad)) return false;
     double reach = 1.0;  // P(all tests so far rejected | node visited)
     const int32_t stop = run_layer(a, t, node, r, ws.order.get(),
                                    [&](int64_t, int32_t child, double num, double den, bool forced) {
