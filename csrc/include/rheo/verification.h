@@ -41,6 +41,8 @@
 //   accept_len  [B]    int32  number of accepted nodes including the root (>= 1)
 //   bonus_token [B]    int32  the emitted token after the accepted path
 // So a step emits tokens[path[1..accept_len-1]] followed by bonus_token.
+// verification_cuda cannot raise without a sync: a tree whose visited node holds a NaN/inf logit
+// gets accept_len 0 and bonus_token -1 (the CPU version raises); callers check on the host.
 //
 // verification_law_cpu computes the exact law of the walk instead of drawing coins (tests and
 // analysis): accept_prob[b, i] = P(walk moves into node i | its parent is visited) (root: 1),

@@ -1,0 +1,290 @@
+"""The Llama target: HF ``LlamaForCausalLM`` numerics, a KV cache and tree attention.
+
+One forward runs n new tokens after the cache's committed rows, at given positions and under a
+given mask (causal for a prefill, ancestor-or-self for a draft tree), so the engine needs no
+other entry point. Weights keep HF names on disk; in memory q/k/v and gate/up are fused into one
+matrix each, so a layer is four matmuls (the per-step CPU overhead is the number of ops).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rheo_engine import kernels
+from rheo_engine.config import ModelConfig
+from rheo_engine.kv_cache import KVCache
+from rheo_engine.weights import load_safetensors
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] float32, computed exactly as HF does (llama3 scaling included)."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama-3.1: long wavelengths slow down by `factor`, short ones stay, the band between blends.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@dataclass
+class LlamaLayer:
+    """One decoder layer's weights, fused for speed (HF rows order kept inside each block)."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    w_qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]: q_proj, k_proj, v_proj rows
+    w_o: torch.Tensor  # [hidden, H D]
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 I, hidden]: gate_proj, up_proj rows
+    w_down: torch.Tensor  # [hidden, I]
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of every weight a LlamaForCausalLM checkpoint must hold."""
+    hidden, D, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (H * D, hidden),
+            p + "self_attn.k_proj.weight": (Hkv * D, hidden),
+            p + "self_attn.v_proj.weight": (Hkv * D, hidden),
+            p + "self_attn.o_proj.weight": (hidden, H * D),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first missing or misshapen tensor, before any work."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in weights:
+            hint = (
+                " (config.json says tie_word_embeddings=false; set it to true if the "
+                "checkpoint shares the embedding)"
+                if name == "lm_head.weight"
+                else ""
+            )
+            raise ValueError(
+                f"weights lack {name} (expected shape {list(shape)}){hint}; the checkpoint is "
+                "not a complete LlamaForCausalLM matching config.json: fix the checkpoint"
+            )
+        got = tuple(weights[name].shape)
+        if got != shape:
+            raise ValueError(
+                f"{name} has shape {list(got)} but config.json implies {list(shape)}; "
+                "config.json and the weights disagree: fix one of them"
+            )
+        if not weights[name].is_floating_point():
+            raise ValueError(f"{name} has dtype {weights[name].dtype}; expected a float tensor")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dtype:
+    """None -> the config's torch_dtype; else fp32/bf16/fp16 given as a dtype or its name."""
+    if dtype is None:
+        dtype = cfg.torch_dtype
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {list(_DTYPES)}; pick one")
+        dtype = _DTYPES[dtype]
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype={dtype} is not one of float32/bfloat16/float16; pick one")
+    return dtype
+
+
+class LlamaModel:
+    """A Llama-family decoder (LlamaForCausalLM) running on a KVCache."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed_tokens: torch.Tensor,
+        layers: list[LlamaLayer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.cfg = cfg
+        self.embed_tokens = embed_tokens  # [V, hidden] (the EAGLE-3 head borrows it)
+        self.layers = layers
+        self.norm = norm  # [hidden]
+        self.lm_head = lm_head  # [V, hidden]; the same tensor as embed_tokens when tied
+        self.device = embed_tokens.device
+        self.dtype = embed_tokens.dtype
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)  # [D/2] float32
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> LlamaModel:
+        """Load an HF Llama directory (config.json + safetensors, single or sharded)."""
+        cfg = ModelConfig.from_hf_dir(path)
+        dtype = resolve_dtype(dtype, cfg)
+        return cls.from_weights(cfg, load_safetensors(path), device, dtype)
+
+    @classmethod
+    def from_weights(
+        cls,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> LlamaModel:
+        """Build from HF-named tensors (checked first; extra tensors are ignored)."""
+        dtype = resolve_dtype(dtype, cfg)
+        check_weights(cfg, weights)
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat(
+                [weights[n].to(device=device, dtype=dtype) for n in names]
+            ).contiguous()
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            layers.append(
+                LlamaLayer(
+                    attn_norm=w(p + "input_layernorm.weight"),
+                    w_qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    w_o=w(a + "o_proj.weight"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                    w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                    w_down=w(m + "down_proj.weight"),
+                )
+            )
+        embed = w("model.embed_tokens.weight")
+        lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.cfg
+        return KVCache(
+            c.num_hidden_layers,
+            batch,
+            max_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, self.cfg.rms_norm_eps).to(x.dtype)
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [B, n, 1, D] and the signed sin [B, n, 1, D] at ``positions`` [B, n]."""
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, n, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        # rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin): one roll instead of a cat.
+        cos = torch.cat((cos, cos), -1).unsqueeze(2).to(self.dtype)
+        sin = torch.cat((-sin, sin), -1).unsqueeze(2).to(self.dtype)
+        return cos, sin
+
+    def _check_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None,
+        feature_layers: tuple[int, ...],
+    ) -> None:
+        if tokens.dim() != 2 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and positions must both be [B, n], got {list(tokens.shape)} and "
+                f"{list(positions.shape)}"
+            )
+        B, n = tokens.shape
+        if B != cache.batch:
+            raise ValueError(f"tokens has batch B={B} but the cache holds batch={cache.batch}")
+        if tree_mask is not None and tuple(tree_mask.shape) != (B, n, n):
+            raise ValueError(
+                f"tree_mask must be [B, n, n] = [{B}, {n}, {n}], got {list(tree_mask.shape)}"
+            )
+        L = self.cfg.num_hidden_layers
+        bad = [j for j in feature_layers if not 0 <= j < L]
+        if bad:
+            raise ValueError(
+                f"feature_layers {bad} out of range [0, {L}) (id j = the residual entering "
+                f"decoder layer j); pick ids below num_hidden_layers={L}"
+            )
+        cache.check_room(n)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens`` [B, n] at ``positions`` [B, n] after the cache's committed rows.
+
+        Writes their K/V at rows length..length+n without committing (the caller then calls
+        ``cache.advance(n)`` or ``cache.commit(kept)``). ``tree_mask`` [B, n, n] uint8 says which
+        new tokens each one sees (ancestors and itself); None = causal. Returns logits
+        [B, n, V] float32 ([B, 1, V] for the last token with ``last_logits_only``, to spare a
+        long prefill the full vocabulary projection) and the features [B, n, len(ids) * hidden]:
+        HF ``hidden_states[j]`` for each id j in order, the residual entering layer j (0 =
+        embeddings), or None when no ids are asked.
+        """
+        self._check_forward(tokens, positions, cache, tree_mask, feature_layers)
+        B, n = tokens.shape
+        H, Hkv, D = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        if tree_mask is None:
+            tree_mask = torch.ones(B, n, n, dtype=torch.uint8, device=self.device).tril_()
+        cos, sin = self._rope_tables(positions)
+        captured: dict[int, torch.Tensor] = {}
+        x = F.embedding(tokens, self.embed_tokens)  # [B, n, hidden]
+        for i, layer in enumerate(self.layers):
+            if i in feature_layers:
+                captured[i] = x
+            qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.w_qkv)  # [B, n, (H+2Hkv)D]
+            qk = qkv[..., : (H + Hkv) * D].view(B, n, H + Hkv, D)
+            # RoPE on q and k heads at once (HF rotate_half convention).
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, n, H+Hkv, D]
+            v = qkv[..., (H + Hkv) * D :].view(B, n, Hkv, D)
+            cache.write(i, qk[:, :, H:], v)
+            k_rows, v_rows = cache.rows(i, n)  # [B, length+n, Hkv, D]
+            attn = kernels.tree_attention(qk[:, :, :H], k_rows, v_rows, tree_mask, cache.length)
+            x = x + F.linear(attn.view(B, n, H * D), layer.w_o)
+            gate, up = F.linear(self._rms_norm(x, layer.mlp_norm), layer.w_gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        if last_logits_only:
+            x = x[:, -1:]
+        logits = F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+        features = torch.cat([captured[j] for j in feature_layers], -1) if feature_layers else None
+        return logits, features

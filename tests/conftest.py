@@ -1,0 +1,63 @@
+"""Shared fixtures: the ../shared folder beside the repo and stories260K converted to HF layout.
+
+Fixture files are read in place (never copied into the repo); a test that needs one skips
+with the path it looked for when the folder is absent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+LLAMA2C = SHARED / "fixtures" / "llama2c"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """The ../shared folder next to the repository, or a skip naming where it was looked for."""
+    if not SHARED.is_dir():
+        pytest.skip(f"shared fixtures not found: {SHARED}")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def stories_dir(shared_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """stories260K.bin + tok512.model converted by ``convert_llama2c`` into a temporary HF dir."""
+    from rheo_engine.convert import convert_llama2c
+
+    model_bin, tok = LLAMA2C / "stories260K.bin", LLAMA2C / "tok512.model"
+    for f in (model_bin, tok):
+        if not f.is_file():
+            pytest.skip(f"llama2.c fixture not found: {f}")
+    return convert_llama2c(model_bin, tok, tmp_path_factory.mktemp("stories260K"))
+
+
+def write_fresh_head(target_dir: Path, out_dir: Path, feature_layers: tuple[int, ...], seed: int,
+                     std: float = 0.02) -> Path:
+    """A freshly initialised EAGLE-3 head for the target in ``target_dir`` (official layout)."""
+    import json
+
+    from rheo_engine.config import ModelConfig
+    from rheo_engine.models.eagle3 import HeadConfig, head_config_json, init_head_weights
+    from rheo_engine.weights import save_safetensors
+
+    t = ModelConfig.from_hf_dir(target_dir)
+    cfg = HeadConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim, vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size,
+        rms_norm_eps=t.rms_norm_eps, rope_theta=10000.0, target_hidden_size=t.hidden_size,
+        feature_layers=feature_layers,
+    )  # fmt: skip
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(head_config_json(cfg), indent=1))
+    save_safetensors(init_head_weights(cfg, seed, std), out_dir / "model.safetensors")
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def stories_head_dir(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh (untrained) EAGLE-3 head for stories260K, fusing target layers 1, 2, 3 of 5."""
+    return write_fresh_head(stories_dir, tmp_path_factory.mktemp("head") / "head", (1, 2, 3), 0, 0.5)
