@@ -1,0 +1,410 @@
+"""The EAGLE-3 draft head: config, checkpoint checks and the one-layer forward (eagle3.md §1-2).
+
+The head fuses target features taken at the inputs of three target layers (``fc``), then runs
+one Llama decoder layer whose attention input is ``concat(input_layernorm(embed(token)),
+hidden_norm(h))``, embedding first. Its output h2 (before the final norm) is fed back as the next
+step's h; draft logits are ``lm_head(norm(h2))`` over the draft vocabulary, and a draft id d is
+the target id ``d + d2t[d]``. The tree-level state lives in ``eagle3_drafter.Eagle3Drafter``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from rheo_engine.kv_cache import KVCache
+from rheo_engine.weights import load_safetensors
+
+if TYPE_CHECKING:
+    from rheo_engine.config import ModelConfig
+    from rheo_engine.models.llama import LlamaModel
+
+# Official key names (eagle3.md §1.3); embed_tokens, d2t and t2d are optional.
+LAYER_KEYS = (
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+)
+REQUIRED_KEYS = ("fc.weight", *LAYER_KEYS, "norm.weight", "lm_head.weight")
+OPTIONAL_KEYS = ("embed_tokens.weight", "d2t", "t2d")
+# Non-persistent in EAGLE, but older exports may carry it; RoPE is recomputed here.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_REQUIRED_CONFIG = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+_SIZES = (*_REQUIRED_CONFIG, "num_key_value_heads", "head_dim", "draft_vocab_size",
+          "target_hidden_size")  # fmt: skip
+DEFAULT_ROPE_THETA = 10000.0  # the released configs have no rope_theta; training always used 10000
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shape of an EAGLE-3 head (its config.json, eagle3.md §1.2), resolved against its target."""
+
+    hidden_size: int  # H, the draft width (also the embedding width)
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # D
+    vocab_size: int  # V, the target vocabulary (embedding rows)
+    draft_vocab_size: int  # Vd, lm_head rows and d2t length
+    rms_norm_eps: float
+    rope_theta: float
+    target_hidden_size: int  # fc input = len(feature_layers) * target_hidden_size
+    feature_layers: tuple[int, ...]  # target layers whose inputs are fused, in this order
+
+    def __post_init__(self) -> None:
+        for name in _SIZES:
+            if getattr(self, name) < 1:
+                raise ValueError(f"head {name}={getattr(self, name)} must be >= 1; fix config.json")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"head num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (GQA); fix config.json"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"head draft_vocab_size={self.draft_vocab_size} > vocab_size={self.vocab_size}: "
+                "the draft vocabulary is a subset of the target's; fix config.json"
+            )
+        if not self.feature_layers or min(self.feature_layers) < 0:
+            raise ValueError(
+                f"feature_layers={self.feature_layers} must be non-empty target layer ids >= 0"
+            )
+        if len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ValueError(
+                f"feature_layers={self.feature_layers} repeats a layer: EAGLE's default "
+                "(2, N//2, N-3) collapses for targets with fewer than 7 layers; list distinct "
+                'layers in the head\'s config.json as "eagle_aux_hidden_state_layer_ids"'
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], target: ModelConfig) -> HeadConfig:
+        """Read an official head config; ``target`` supplies defaults EAGLE takes from it."""
+        missing = [k for k in _REQUIRED_CONFIG if k not in d]
+        if missing:
+            raise ValueError(f"head config.json lacks {missing}; an EAGLE-3 head config has them")
+        scaling = d.get("rope_scaling")
+        if isinstance(scaling, dict) and "type" in scaling:
+            # EAGLE applies only linear/dynamic scaling keyed by "type"; neither is implemented.
+            raise ValueError(
+                f"head rope_scaling type={scaling['type']!r} is not supported (plain RoPE only); "
+                "remove rope_scaling from the head's config.json if it was trained without it"
+            )
+        H, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        nested = d.get("eagle_config") or {}
+        layer_ids = d.get(
+            "eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids")
+        )
+        N = target.num_hidden_layers
+        return cls(
+            hidden_size=H,
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or H // heads),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta") or DEFAULT_ROPE_THETA),
+            target_hidden_size=int(d.get("target_hidden_size") or target.hidden_size),
+            feature_layers=tuple(int(j) for j in layer_ids) if layer_ids else (2, N // 2, N - 3),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, target: ModelConfig) -> HeadConfig:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"head config not found: {file} (an EAGLE-3 head directory)")
+        return cls.from_dict(json.loads(file.read_text()), target)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, weight applied after casting back (cnets.py, as HF Llama)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [B, n, h, D] rotated at positions [B, n] (rotate_half convention, HF Llama)."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device).float() / D)  # [D/2]
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, n, D/2]
+    emb = torch.cat((freqs, freqs), -1).unsqueeze(2)  # [B, n, 1, D]
+    return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
+
+
+def head_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an EAGLE-3 head can hold, under the official names (eagle3.md §1.3)."""
+    H, inter, D, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size
+    return {
+        "fc.weight": (H, len(cfg.feature_layers) * cfg.target_hidden_size),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (cfg.num_attention_heads * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (cfg.num_key_value_heads * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (cfg.num_key_value_heads * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, cfg.num_attention_heads * D),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (inter, H),
+        "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.mlp.down_proj.weight": (H, inter),
+        "norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+        "embed_tokens.weight": (cfg.vocab_size, H),
+        "d2t": (Vd,),
+        "t2d": (cfg.vocab_size,),
+    }
+
+
+def init_head_weights(cfg: HeadConfig, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """A freshly initialised head (float32): normal(0, std) matrices, unit norms, identity d2t
+    when Vd == V (else the first Vd target ids). No embed_tokens: it is borrowed from the target."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for key, shape in head_shapes(cfg).items():
+        if key in ("embed_tokens.weight", "d2t", "t2d"):
+            continue
+        is_norm = key.endswith("norm.weight")
+        weights[key] = torch.ones(shape) if is_norm else torch.randn(shape, generator=g) * std
+    weights["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    weights["t2d"] = torch.arange(cfg.vocab_size) < cfg.draft_vocab_size
+    return weights
+
+
+def head_config_json(cfg: HeadConfig) -> dict[str, Any]:
+    """The config.json of a head, with the official field names (eagle3.md §1.2)."""
+    d: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        # Upstream EAGLE reads this key as "the checkpoint carries its own embed_tokens".
+        d["target_hidden_size"] = cfg.target_hidden_size
+    return d
+
+
+def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
+    H, Vd = cfg.hidden_size, cfg.draft_vocab_size
+    expected = head_shapes(cfg)
+    for key, shape in expected.items():
+        if key in weights and tuple(weights[key].shape) != shape:
+            raise ValueError(
+                f"head weight {key} has shape {list(weights[key].shape)} but the head config "
+                f"(hidden_size={H}, feature_layers={cfg.feature_layers}, target_hidden_size="
+                f"{cfg.target_hidden_size}, draft_vocab_size={Vd}) needs {list(shape)}; "
+                "the config.json does not match the weights"
+            )
+
+
+def _check_target(cfg: HeadConfig, target: LlamaModel) -> None:
+    """The head must fit its target: vocabulary, fused width, feature layers (eagle3.md §1.4)."""
+    t = target.cfg
+    if cfg.vocab_size != t.vocab_size:
+        raise ValueError(
+            f"head vocab_size={cfg.vocab_size} != target vocab_size={t.vocab_size}: "
+            "this head was trained for another target; pick the matching head"
+        )
+    if cfg.target_hidden_size != t.hidden_size:
+        raise ValueError(
+            f"head target_hidden_size={cfg.target_hidden_size} != target hidden_size="
+            f"{t.hidden_size}: fc fuses {len(cfg.feature_layers)} target features of that width; "
+            "pick the head trained for this target"
+        )
+    if max(cfg.feature_layers) >= t.num_hidden_layers:
+        raise ValueError(
+            f"head feature_layers={cfg.feature_layers} name a layer >= the target's "
+            f"num_hidden_layers={t.num_hidden_layers}; fix eagle_aux_hidden_state_layer_ids"
+        )
+
+
+def _check_keys(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
+    missing = [k for k in REQUIRED_KEYS if k not in weights]
+    if "d2t" not in weights and cfg.draft_vocab_size != cfg.vocab_size:
+        missing.append("d2t")
+    if missing:
+        raise ValueError(f"head checkpoint lacks {missing}; is this an EAGLE-3 head?")
+    known = set(REQUIRED_KEYS) | set(OPTIONAL_KEYS)
+    extra = [k for k in weights if k not in known and not k.endswith(IGNORED_SUFFIXES)]
+    if extra:
+        raise ValueError(
+            f"head checkpoint has unexpected keys {sorted(extra)[:8]}; an EAGLE-3 head has "
+            f"{list(REQUIRED_KEYS)} plus optionally {list(OPTIONAL_KEYS)}"
+        )
+
+
+def _draft_to_target(cfg: HeadConfig, d2t: torch.Tensor | None) -> torch.Tensor | None:
+    """Absolute target ids [Vd] = d + d2t[d] (eagle3.md §1.5), None for the identity."""
+    if d2t is None:
+        return None
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise ValueError(f"head d2t must hold integer offsets, got dtype {d2t.dtype}")
+    ids = torch.arange(cfg.draft_vocab_size, dtype=torch.int64) + d2t.to("cpu", torch.int64)
+    bad = ((ids < 0) | (ids >= cfg.vocab_size)).nonzero()
+    if len(bad):
+        d = int(bad[0, 0])
+        raise ValueError(
+            f"head d2t maps draft id {d} to target id {int(ids[d])} (d + d2t[d]) outside the "
+            f"target vocabulary [0, {cfg.vocab_size}) ({len(bad)} such ids); d2t must hold "
+            "offsets, target = d + d2t[d]; the checkpoint does not belong to this target"
+        )
+    if cfg.draft_vocab_size == cfg.vocab_size and bool((d2t == 0).all()):
+        return None
+    return ids
+
+
+class Eagle3Head:
+    """One EAGLE-3 draft layer over plain tensors (eagle3.md §2.2). Weights in ``dtype``."""
+
+    def __init__(
+        self,
+        cfg: HeadConfig,
+        weights: dict[str, torch.Tensor],
+        embed_tokens: torch.Tensor,
+        draft_to_target: torch.Tensor | None,
+    ) -> None:
+        self.cfg = cfg
+        self.w = weights  # official key names, see REQUIRED_KEYS
+        self.embed_tokens = embed_tokens  # [V, H]
+        self.draft_to_target = draft_to_target  # [Vd] int64 target ids, or None (identity)
+        self.device = embed_tokens.device
+        self.dtype = embed_tokens.dtype
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.feature_layers
+
+    @classmethod
+    def from_weights(
+        cls,
+        cfg: HeadConfig,
+        weights: dict[str, torch.Tensor],
+        target: LlamaModel,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Eagle3Head:
+        """Check the head against its target, then place it (default: target device and dtype)."""
+        _check_target(cfg, target)
+        _check_keys(cfg, weights)
+        _check_shapes(cfg, weights)
+        embed = weights.get("embed_tokens.weight")
+        if embed is None:
+            # eagle3.md §1.4: heads without target_hidden_size borrow the target's embedding.
+            embed = target.embed_tokens
+            if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise ValueError(
+                    f"head hidden_size={cfg.hidden_size} but the target's embed_tokens is "
+                    f"{list(embed.shape)}: a head narrower than its target must carry "
+                    "embed_tokens.weight in its checkpoint"
+                )
+        to_target = _draft_to_target(cfg, weights.get("d2t"))
+        device = target.device if device is None else torch.device(device)
+        dtype = target.dtype if dtype is None else dtype
+        placed = {k: weights[k].to(device, dtype) for k in REQUIRED_KEYS}
+        maybe_ids = None if to_target is None else to_target.to(device)
+        return cls(cfg, placed, embed.to(device, dtype), maybe_ids)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        target: LlamaModel,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Eagle3Head:
+        """A converted head directory: config.json + model.safetensors (see convert_eagle3)."""
+        path = Path(path)
+        cfg = HeadConfig.from_hf_dir(path, target.cfg)
+        if not (path / "model.safetensors").is_file() and (path / "pytorch_model.bin").is_file():
+            raise ValueError(
+                f"{path} holds pytorch_model.bin only; weights load from safetensors: run "
+                f"python -m rheo_engine.convert_eagle3 {path} <out_dir> and load <out_dir>"
+            )
+        return cls.from_weights(cfg, load_safetensors(path), target, device, dtype)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.cfg
+        Hkv, D = c.num_key_value_heads, c.head_dim
+        return KVCache(1, batch, max_len, Hkv, D, self.dtype, self.device)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [B, n, len(feature_layers) * target_hidden] -> h [B, n, H] (fc)."""
+        return F.linear(features.to(self.dtype), self.w["fc.weight"])
+
+    def layer(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder layer on n pairs (h [B, n, H], target ids [B, n]) at positions [B, n].
+
+        past_k, past_v [B, S, Hkv, D] are rotated keys/values already visible; mask [B, n, S + n]
+        bool says which of them and of the n new rows each pair sees. Returns h2 [B, n, H]
+        (pre-norm, fed back) and the new rotated k, v [B, n, Hkv, D].
+        """
+        c, w = self.cfg, self.w
+        B, n, _ = h.shape
+        e = self.embed_tokens[tokens]  # [B, n, H]
+        # eagle3.md §2.2: embedding half first; the residual is the un-normed h.
+        e_normed = rms_norm(e, w["midlayer.input_layernorm.weight"], c.rms_norm_eps)
+        h_normed = rms_norm(h, w["midlayer.hidden_norm.weight"], c.rms_norm_eps)
+        x = torch.cat((e_normed, h_normed), -1)  # [B, n, 2H]
+        q = F.linear(x, w["midlayer.self_attn.q_proj.weight"]).view(B, n, -1, c.head_dim)
+        k = F.linear(x, w["midlayer.self_attn.k_proj.weight"]).view(B, n, -1, c.head_dim)
+        v = F.linear(x, w["midlayer.self_attn.v_proj.weight"]).view(B, n, -1, c.head_dim)
+        q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
+        attn = _attention(q, torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), mask)
+        h1 = h + F.linear(attn.reshape(B, n, -1), w["midlayer.self_attn.o_proj.weight"])
+        y = rms_norm(h1, w["midlayer.post_attention_layernorm.weight"], c.rms_norm_eps)
+        gate = F.silu(F.linear(y, w["midlayer.mlp.gate_proj.weight"]))
+        mlp = gate * F.linear(y, w["midlayer.mlp.up_proj.weight"])  # [B, n, intermediate]
+        return h1 + F.linear(mlp, w["midlayer.mlp.down_proj.weight"]), k, v
+
+    def logits(self, h2: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., Vd] float32 = lm_head(norm(h2))."""
+        normed = rms_norm(h2, self.w["norm.weight"], self.cfg.rms_norm_eps)
+        return F.linear(normed, self.w["lm_head.weight"]).float()
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """q [B, n, Hq, D] over k, v [B, S, Hkv, D] where mask [B, n, S] (GQA); softmax in fp32."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+    scores = torch.einsum("bnhd,bshd->bhns", q.float(), k.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, -1).to(v.dtype)  # [B, Hq, n, S]
+    return torch.einsum("bhns,bshd->bnhd", probs, v)
