@@ -161,6 +161,12 @@ def draft_tree(
         cfg.total_tokens,
         cfg.depth,
     )
+    if tree.tree_mask.is_cuda and bool((tree.n_leaves < 0).any()):
+        # The CUDA kernels' marker for NaN scores or a non-closed tree (proxy_rerank.h).
+        raise ValueError(
+            "draft scores held NaN or did not form a tree; the draft head produced NaN/inf "
+            "logits: check its weights and dtype"
+        )
     q_ids = torch.cat([p.q_tilde_ids for p in all_pools], 0)
     if draft_to_target is not None:
         q_ids = draft_to_target[q_ids.long()].to(torch.int32)

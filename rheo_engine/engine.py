@@ -18,7 +18,8 @@ from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.kv_cache import KVCache
 from rheo_engine.loop import StepTimes, new_seed, speculative_step
-from rheo_engine.models.eagle3 import Eagle3Drafter, Eagle3Head
+from rheo_engine.models.eagle3 import Eagle3Head
+from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.tokenizer import Tokenizer
 
@@ -138,6 +139,9 @@ class Engine:
             piece = decoder.feed(new_ids)
             if piece:
                 yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
 
     def request(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Request:
         """A generation to iterate step by step: yields each step's new token ids; afterwards
@@ -250,7 +254,7 @@ class Request:
         while cache.length + tree_rows <= self.context:
             # A head needs one (feature, token) pair before it can draft: the first step of a
             # one-token prompt is a plain target step.
-            step_cfg = cfg if head is None or drafter.ready else ar_cfg
+            step_cfg = cfg if head is None or drafter.length > 0 else ar_cfg
             result = speculative_step(
                 runner, drafter, root, torch.tensor([cache.length]), step_cfg, self.sampling,
                 self.seed, step, None if head is None else head.draft_to_target,

@@ -82,7 +82,7 @@ def run_one(engine: Engine, prompt: str, args: argparse.Namespace) -> None:
     for new_ids in request:
         sys.stdout.write(decoder.feed(new_ids))
         sys.stdout.flush()
-    print()
+    print(decoder.flush())
     print(stats_line(request.result), file=sys.stderr)
 
 

@@ -56,6 +56,12 @@ def emitted_tokens(tree: kernels.Tree, verdict: kernels.Verdict) -> list[list[in
     out = []
     tokens = tree.tokens.cpu()
     paths, lens, bonus = verdict.accept_path.cpu(), verdict.accept_len.cpu(), verdict.bonus_token
+    if bool((lens < 1).any()):
+        # The CUDA kernel's marker for a NaN/inf target logit at a visited node (verification.h).
+        raise ValueError(
+            "the target produced NaN/inf logits at a verified tree node; check the model's "
+            "weights and dtype (fp16 overflow: try bfloat16 or float32)"
+        )
     for b, n in enumerate(lens.tolist()):
         nodes = paths[b, 1:n].long()
         out.append(tokens[b, nodes].tolist() + [int(bonus[b])])
