@@ -2,7 +2,8 @@
 # The two quick-start commands (README):
 #   bash rheo.sh demo   set everything up, then run the main job
 #   bash rheo.sh test   set everything up, then run the whole test suite
-# Setting up = torch (the CPU wheel where there is no GPU), numpy/pytest/ninja, and the
+# Setting up = torch (the CPU wheel where there is no GPU), numpy, safetensors, sentencepiece,
+# tiktoken and ninja (plus pytest and transformers for the tests), and the
 # rheo_engine._C extension, rebuilt only when a source under csrc/ or bindings/ changed.
 # PYTHON picks the interpreter (default python3); extra arguments go to the job.
 set -euo pipefail
@@ -22,8 +23,8 @@ setup() {
         "$PY" -m pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
     fi
   fi
-  "$PY" -c 'import numpy, pytest, ninja, setuptools' 2>/dev/null ||
-    "$PY" -m pip install -q numpy pytest ninja setuptools wheel
+  "$PY" -c 'import numpy, safetensors, sentencepiece, tiktoken, ninja, setuptools' 2>/dev/null ||
+    "$PY" -m pip install -q numpy safetensors sentencepiece tiktoken ninja setuptools wheel
   if "$PY" - <<'PYEOF'
 import glob, os, sys
 so = glob.glob("rheo_engine/_C*.so")
@@ -44,7 +45,10 @@ shift || true
 setup
 case "$job" in
   demo) exec "$PY" -m rheo_engine.demo "$@" ;;
-  test) exec "$PY" -m pytest -q tests "$@" ;;
+  test)
+    # Test-only dependencies: pytest, and HF transformers as the reference Llama.
+    "$PY" -c 'import pytest, transformers' 2>/dev/null || "$PY" -m pip install -q pytest transformers
+    exec "$PY" -m pytest -q tests "$@" ;;
   setup) "$PY" -m rheo_engine.info ;;
   *) echo "usage: bash rheo.sh [demo|test|setup] [args...]" >&2; exit 2 ;;
 esac
