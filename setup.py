@@ -53,7 +53,7 @@ def _extension() -> tuple[object, str]:
     with_cuda, why = _want_cuda()
     sources = _rel("bindings/*.cpp") + _rel("csrc/cpu/*.cpp")
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "bindings")]
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-psabi"]
     info = "cpu"
     if with_cuda:
         info = f"cpu + cuda {_cuda_archs()}"
