@@ -61,3 +61,26 @@ def write_fresh_head(target_dir: Path, out_dir: Path, feature_layers: tuple[int,
 def stories_head_dir(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh (untrained) EAGLE-3 head for stories260K, fusing target layers 1, 2, 3 of 5."""
     return write_fresh_head(stories_dir, tmp_path_factory.mktemp("head") / "head", (1, 2, 3), 0, 0.5)
+
+
+STORIES_HEAD_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "stories260K" / "head"
+
+
+@pytest.fixture(scope="session")
+def stories_trained_head(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trained EAGLE-3 head for stories260K (target layers 1, 2, 3): .cache/stories260K/head
+    when train_head made it for this very target (its train_log's target fingerprint), else a
+    small head trained here in about a minute (its drafts are accepted: tau at T=1 near 2)."""
+    import json
+
+    from rheo_engine.train_head import HeadTrainConfig, target_fingerprint, train_head
+
+    log = STORIES_HEAD_CACHE / "train_log.json"
+    if (STORIES_HEAD_CACHE / "config.json").is_file() and log.is_file():
+        if json.loads(log.read_text()).get("target_fingerprint") == target_fingerprint(stories_dir):
+            return STORIES_HEAD_CACHE
+    out = tmp_path_factory.mktemp("trained_head") / "head"
+    cfg = HeadTrainConfig(feature_layers=(1, 2, 3), samples=192, gen_len=128, max_steps=120,
+                          warmup=15, lr=8e-3)  # fmt: skip
+    train_head(stories_dir, out, cfg, minutes=1.5, threads=1, log_every=1000)
+    return out
