@@ -105,43 +105,35 @@ class HeadData:
         return first, last
 
 
-def hidden_view(target: LlamaModel) -> LlamaModel:
-    """The target with an identity output projection: its "logits" are the final normed
-    hidden states [B, n, hidden]. LlamaModel returns only logits and layer-input features; this
-    public-constructor view gets the last state without a second code path through the layers."""
-    eye = torch.eye(target.cfg.hidden_size, dtype=target.dtype, device=target.device)
-    return LlamaModel(target.cfg, target.embed_tokens, target.layers, target.norm, eye)
-
-
 @torch.no_grad()
-def generate_batch(view: LlamaModel, lm_head: torch.Tensor, prompts: torch.Tensor, gen_len: int,
+def generate_batch(target: LlamaModel, prompts: torch.Tensor, gen_len: int,
                    feature_layers: tuple[int, ...], gen: torch.Generator,
                    store: torch.dtype) -> HeadData:  # fmt: skip
-    """Sample gen_len tokens at T = 1 after prompts [B, P] (lm_head [V, hidden], the target's).
+    """Sample gen_len tokens at T = 1 after prompts [B, P], recording features and final states.
 
     The features and state of position j are those of the forward that consumed token j, so
     the last sampled token is fed once more to record them.
     """
     B, P = prompts.shape
     T = P + gen_len
-    dev = view.device
-    cache = view.new_cache(T, B)
+    dev = target.device
+    cache = target.new_cache(T, B)
     tokens = torch.empty(B, T, dtype=torch.int64)
     tokens[:, :P] = prompts
     feats, hids = [], []
     step_in, pos = prompts.to(dev), torch.arange(P, device=dev).expand(B, P)
     for j in range(P, T + 1):
-        hidden, f = view.forward(step_in, pos, cache, None, feature_layers)
+        hidden, f = target.forward(step_in, pos, cache, None, feature_layers, output_hidden=True)
         cache.advance(step_in.shape[1])
         feats.append(f.to("cpu", store))
         hids.append(hidden.to("cpu", store))
         if j == T:
             break
-        logits = torch.nn.functional.linear(hidden[:, -1], lm_head).float()  # [B, V]
+        logits = torch.nn.functional.linear(hidden[:, -1], target.lm_head).float()  # [B, V]
         nxt = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen)  # [B, 1]
         tokens[:, j] = nxt[:, 0]
         step_in, pos = nxt.to(dev), torch.full((B, 1), j, device=dev)
-    eos = torch.tensor(view.cfg.eos_token_ids or [-1])
+    eos = torch.tensor(target.cfg.eos_token_ids or [-1])
     is_eos = torch.isin(tokens[:, P:], eos)
     first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + P + 1, torch.tensor(T))
     features, hidden = torch.cat(feats, 1), torch.cat(hids, 1)
@@ -158,7 +150,6 @@ def generate_data(target: LlamaModel, prompts: torch.Tensor, gen_len: int, batch
     """All prompts [N, P] continued by the target, ``batch`` at a time, before ``deadline``
     (time.perf_counter() value; raises TimeoutError past it)."""
     gen = torch.Generator().manual_seed(seed)
-    view = hidden_view(target)
     parts = []
     n_batches = math.ceil(len(prompts) / batch)
     for i, chunk in enumerate(prompts.split(batch)):
@@ -167,8 +158,7 @@ def generate_data(target: LlamaModel, prompts: torch.Tensor, gen_len: int, batch
                 f"--minutes ran out while generating training data (batch {i}/{n_batches}); "
                 "raise --minutes or lower --samples / --gen-len (nothing was written)"
             )
-        parts.append(generate_batch(view, target.lm_head, chunk, gen_len, feature_layers, gen,
-                                    store))  # fmt: skip
+        parts.append(generate_batch(target, chunk, gen_len, feature_layers, gen, store))
     return HeadData(
         torch.cat([p.tokens for p in parts]), torch.cat([p.features for p in parts]),
         torch.cat([p.hidden for p in parts]), torch.cat([p.lengths for p in parts]),

@@ -250,6 +250,7 @@ class LlamaModel:
         tree_mask: torch.Tensor | None = None,
         feature_layers: tuple[int, ...] = (),
         last_logits_only: bool = False,
+        output_hidden: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` [B, n] at ``positions`` [B, n] after the cache's committed rows.
 
@@ -259,7 +260,8 @@ class LlamaModel:
         [B, n, V] float32 ([B, 1, V] for the last token with ``last_logits_only``, to spare a
         long prefill the full vocabulary projection) and the features [B, n, len(ids) * hidden]:
         HF ``hidden_states[j]`` for each id j in order, the residual entering layer j (0 =
-        embeddings), or None when no ids are asked.
+        embeddings), or None when no ids are asked. With ``output_hidden`` the first output is
+        the final normed state [B, n, hidden] instead of the logits (head training stores it).
         """
         self._check_forward(tokens, positions, cache, tree_mask, feature_layers)
         B, n = tokens.shape
@@ -285,6 +287,7 @@ class LlamaModel:
             x = x + F.linear(F.silu(gate) * up, layer.w_down)
         if last_logits_only:
             x = x[:, -1:]
-        logits = F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+        x = self._rms_norm(x, self.norm)
+        logits = x if output_hidden else F.linear(x, self.lm_head).float()
         features = torch.cat([captured[j] for j in feature_layers], -1) if feature_layers else None
         return logits, features
