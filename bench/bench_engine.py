@@ -37,16 +37,24 @@ def commit_id() -> str:
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.target, args.draft)
-    print(f"# bench_engine: target={args.target} draft={args.draft} threads={args.threads} "
-          f"T={args.temperature} new_tokens={args.new_tokens} runs={args.runs} x {len(PROMPTS)} "
-          f"prompts; tree topk={args.topk} depth={args.depth} total_tokens={args.total_tokens}; "
-          f"build={kernels.build_info()} torch={torch.__version__} commit={commit_id()}")
-    print("method,tokens_per_s,tau,draft_pct,head_pct,target_pct,verify_pct,commit_pct,overhead_pct")
+    print(
+        f"# bench_engine: target={args.target} draft={args.draft} threads={args.threads} "
+        f"T={args.temperature} new_tokens={args.new_tokens} runs={args.runs} x {len(PROMPTS)} "
+        f"prompts; tree topk={args.topk} depth={args.depth} total_tokens={args.total_tokens}; "
+        f"build={kernels.build_info()} torch={torch.__version__} commit={commit_id()}"
+    )
+    print(
+        "method,tokens_per_s,tau,draft_pct,head_pct,target_pct,verify_pct,commit_pct,overhead_pct"
+    )
     for method in args.methods:
         opts = dict(method=method, temperature=args.temperature, topk=args.topk,
                     depth=args.depth, total_tokens=args.total_tokens)  # fmt: skip
         engine.generate(PROMPTS[0], 16, seed=0, **opts)  # warm-up
-        speeds, taus, shares = [], [], {k: [] for k in ("draft", "head", "target", "verify", "commit")}
+        speeds, taus, shares = (
+            [],
+            [],
+            {k: [] for k in ("draft", "head", "target", "verify", "commit")},
+        )
         for run_index in range(args.runs):
             for i, prompt in enumerate(PROMPTS):
                 gen = engine.generate(prompt, args.new_tokens, seed=run_index * 100 + i, **opts)
@@ -58,9 +66,11 @@ def run(args: argparse.Namespace) -> None:
                 taus.append(gen.mean_accept_length)
         med = {k: statistics.median(v) for k, v in shares.items()}
         overhead = med["draft"] + med["verify"] + med["commit"]
-        print(f"{method},{statistics.median(speeds):.1f},{statistics.mean(taus):.2f},"
-              f"{med['draft']:.1f},{med['head']:.1f},{med['target']:.1f},{med['verify']:.1f},"
-              f"{med['commit']:.1f},{overhead:.1f}")
+        print(
+            f"{method},{statistics.median(speeds):.1f},{statistics.mean(taus):.2f},"
+            f"{med['draft']:.1f},{med['head']:.1f},{med['target']:.1f},{med['verify']:.1f},"
+            f"{med['commit']:.1f},{overhead:.1f}"
+        )
 
 
 def main() -> None:

@@ -80,8 +80,10 @@ def main() -> None:
     reps = 5 if opts.quick else 30
     K, m, S, T = 10, 1, 128, 1.0
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and kernels.has_cuda() else [])
-    print(f"# pool_sampler bench: K={K} m={m} S={S} T={T} torch {torch.__version__} "
-          f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}")
+    print(
+        f"# pool_sampler bench: K={K} m={m} S={S} T={T} torch {torch.__version__} "
+        f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}"
+    )
     print("device,dtype,n,V,kernel_us,torch_us,speedup,kernel_GBps")
     for dev in devices:
         for V in (32000, 128256):

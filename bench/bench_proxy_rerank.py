@@ -22,6 +22,7 @@ from rheo_engine import kernels, reference
 
 def git_commit() -> str:
     try:
+
         def git(*cmd: str) -> str:
             return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
 
@@ -139,8 +140,10 @@ def main() -> None:
     reps = 20 if a.quick else a.reps
     dev = a.device
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(f"# proxy rerank | device={dev} ({name}) | scores float32 | torch {torch.__version__} "
-          f"threads={torch.get_num_threads()} | commit {git_commit()} | median of {reps}")
+    print(
+        f"# proxy rerank | device={dev} ({name}) | scores float32 | torch {torch.__version__} "
+        f"threads={torch.get_num_threads()} | commit {git_commit()} | median of {reps}"
+    )
     print("case,us_per_call,torch_us,ratio,GB_per_s")
     topk, K, depth, N = 10, 10, 8, 60
     for B in (1, 8):
@@ -154,8 +157,10 @@ def main() -> None:
         us = median_us(lambda: kernels.select_expand(s, topk), reps, dev)
         ref_us = median_us(lambda: select_native(s, topk), reps, dev)
         gbs = B * topk * K * 4 + B * topk * 4
-        print(f"select_expand B={B} M={topk * K} topk={topk},{us:.1f},{ref_us:.1f},"
-              f"{ref_us / us:.2f},{gbs / us / 1e3:.3f}")
+        print(
+            f"select_expand B={B} M={topk * K} topk={topk},{us:.1f},{ref_us:.1f},"
+            f"{ref_us / us:.2f},{gbs / us / 1e3:.3f}"
+        )
         # build_tree: L = 10 + 7 * 100 = 710 candidates, N = 60.
         cd = {k: v.to(dev) for k, v in c.items()}
         tree = kernels.build_tree(**cd, total_tokens=N, depth=depth)
@@ -167,8 +172,10 @@ def main() -> None:
         us = median_us(lambda: kernels.build_tree(**cd, total_tokens=N, depth=depth), reps, dev)
         ref_us = median_us(lambda: build_tree_native(cd, N, depth), reps, dev)
         nbytes = B * (L * 16 + 8 + N * 24 + N * N + N * (depth + 1) * 4 + 4)
-        print(f"build_tree B={B} L={L} N={N} depth={depth},{us:.1f},{ref_us:.1f},"
-              f"{ref_us / us:.2f},{nbytes / us / 1e3:.3f}")
+        print(
+            f"build_tree B={B} L={L} N={N} depth={depth},{us:.1f},{ref_us:.1f},"
+            f"{ref_us / us:.2f},{nbytes / us / 1e3:.3f}"
+        )
 
 
 if __name__ == "__main__":

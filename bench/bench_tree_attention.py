@@ -25,8 +25,9 @@ B, N, H, HKV, D = 1, 60, 32, 8, 128
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
         dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
         return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
@@ -92,8 +93,10 @@ def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: in
     bytes_moved = 2 * B * rows * HKV * D * q.element_size()
     gb_per_s = bytes_moved / (rheo_us * 1e-6) / 1e9
     dtype_name = str(dtype).removeprefix("torch.")
-    return (f"{device.type},{dtype_name},{B},{N},{H},{HKV},{D},{prefix_len},{rheo_us:.1f},"
-            f"{torch_us:.1f},{torch_us / rheo_us:.2f},{gb_per_s:.2f}")
+    return (
+        f"{device.type},{dtype_name},{B},{N},{H},{HKV},{D},{prefix_len},{rheo_us:.1f},"
+        f"{torch_us:.1f},{torch_us / rheo_us:.2f},{gb_per_s:.2f}"
+    )
 
 
 def main() -> None:
@@ -107,8 +110,10 @@ def main() -> None:
     prefixes = [128, 1024] if args.quick else [128, 1024, 4096]
     reps = 5 if args.quick else (50 if device.type == "cpu" else 200)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# tree_attention bench: device={name} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}")
+    print(
+        f"# tree_attention bench: device={name} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}"
+    )
     print("# B, N, H, Hkv, D fixed; tree mask: parent of node i is (i - 1) // 3; GB/s = K/V read")
     print("device,dtype,B,N,H,Hkv,D,prefix_len,rheo_us,torch_us,speedup,rheo_kv_GB_per_s")
     for dtype in (torch.float32, torch.bfloat16):

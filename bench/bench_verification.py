@@ -38,7 +38,9 @@ def make_tree(V: int, boost: float, N: int = 60, Se: int = 128, seed: int = 7):
             par = prev + min(s // 2, sizes[d - 1] - 1)
             slot = slot + 1 if s > 0 and int(parents[0, j - 1]) == par else 0
             parents[0, j] = par
-            tokens[0, j] = int(likely[par]) if slot == 0 else int(torch.randint(0, V, (1,), generator=g))
+            tokens[0, j] = (
+                int(likely[par]) if slot == 0 else int(torch.randint(0, V, (1,), generator=g))
+            )
             if slot == 1:  # Y: support = the lead (q~ 0), Y, other ids
                 others = torch.randperm(V, generator=g)[: Se + 2].tolist()
                 others = [v for v in others if v not in (int(tokens[0, j - 1]), int(tokens[0, j]))]
@@ -132,7 +134,9 @@ def main() -> None:
                     assert int(out.bonus_token[0]) == bonus
                     lens.append(n)
                 steps = iter(range(10**9))
-                us_k = median_us(lambda: kernels.verification(*args, method, T, seed=1, step=next(steps)), reps)
+                us_k = median_us(
+                    lambda: kernels.verification(*args, method, T, seed=1, step=next(steps)), reps
+                )
                 steps = iter(range(10**9))
                 us_t = median_us(lambda: torch_native(*args, method, T, 1, next(steps)), reps)
                 mean_len = statistics.mean(lens)

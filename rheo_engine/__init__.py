@@ -1,7 +1,7 @@
 """rheo-engine: lossless speculative decoding with RheoSampling over EAGLE-3 draft trees.
 
-    engine = rheo_engine.Engine.from_pretrained(target=DIR, draft=DIR)
-    print(engine.generate("Once upon a time", max_new_tokens=64, method="rheo").text)
+engine = rheo_engine.Engine.from_pretrained(target=DIR, draft=DIR)
+print(engine.generate("Once upon a time", max_new_tokens=64, method="rheo").text)
 """
 
 from __future__ import annotations

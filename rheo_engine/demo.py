@@ -29,9 +29,11 @@ def run(args: argparse.Namespace) -> None:
     target, drafter_table = toy_pair(args.vocab, args.noise, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     hist = torch.randint(0, args.vocab, (args.batch, 2), generator=g, dtype=torch.int32)
-    print(f"rheo_engine._C: {kernels.build_info()}; toy trigram V={args.vocab}, draft noise "
-          f"{args.noise}, {args.batch} sequences x {args.new_tokens} tokens, topk={args.topk} "
-          f"depth={args.depth} total_tokens={args.total_tokens}")
+    print(
+        f"rheo_engine._C: {kernels.build_info()}; toy trigram V={args.vocab}, draft noise "
+        f"{args.noise}, {args.batch} sequences x {args.new_tokens} tokens, topk={args.topk} "
+        f"depth={args.depth} total_tokens={args.total_tokens}"
+    )
     print(f"{'T':>4} {'method':>6} {'tau':>6} {'steps/s':>8}")
     for T in args.temperatures:
         for method in METHODS:

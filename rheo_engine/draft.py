@@ -93,7 +93,8 @@ def _level_from_pool(
     B, per_b = parent_scores.shape
     K = pool.tokens.shape[1]
     log_proxy = pool.log_proxy.to(torch.float32).view(B, per_b, K)
-    # Lemma 5: log proxies are <= 0, so a child never outscores its parent (float adds are monotone).
+    # Lemma 5: log proxies are <= 0, so a child never outscores its parent (float adds are
+    # monotone).
     scores = (parent_scores.unsqueeze(2) + log_proxy).view(B, per_b * K)
     slot = torch.arange(K, device=pool.tokens.device, dtype=torch.int32).view(1, 1, K)
     rows = row_offset + torch.arange(B * per_b, dtype=torch.int32, device=slot.device)
@@ -147,7 +148,9 @@ def draft_tree(
         pool = pools(depth, logits.reshape(B * K, -1))
         parents = (offset + chosen).to(torch.int32)
         offset += level.scores.shape[1]
-        level = _level_from_pool(pool, level.scores.gather(1, chosen), parents, rows, draft_to_target)
+        level = _level_from_pool(
+            pool, level.scores.gather(1, chosen), parents, rows, draft_to_target
+        )
         levels.append(level)
         all_pools.append(pool)
         rows += B * K

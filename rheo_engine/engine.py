@@ -1,4 +1,4 @@
-"""The Python API: ``Engine.from_pretrained(...)``, ``engine.generate(...)``, ``engine.stream(...)``.
+"""The Python API: ``Engine.from_pretrained``, ``engine.generate``, ``engine.stream``.
 
 One request at a time: prefill -> (draft -> verify -> accept -> commit) per step, each phase
 a function of rheo_engine.loop, timed. No global state: two engines in one process share
@@ -130,7 +130,9 @@ class Engine:
         assert request.result is not None
         return request.result
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Iterator[str]:
+    def stream(
+        self, prompt: str | list[int], max_new_tokens: int = 128, **options
+    ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted. Options: method="rheo", temperature=1.0,
         top_p=1.0, top_k=0, seed=None, topk=10, depth=8, total_tokens=60, leads=1,
         support=128, chat=False."""
@@ -173,7 +175,9 @@ class Request:
         self.tree_cfg = TreeConfig(method, topk, depth, total_tokens, leads, support)  # type: ignore[arg-type]
         self.sampling = SamplingConfig(temperature, top_p, top_k)
         if method != "ar" and engine.head is None:
-            raise ValueError(f"method={method!r} needs a draft head; load one with draft=DIR or use method='ar'")
+            raise ValueError(
+                f"method={method!r} needs a draft head; load one with draft=DIR or use method='ar'"
+            )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.prompt_ids = self._encode(prompt, chat)
@@ -198,7 +202,8 @@ class Request:
             bad = [t for t in ids if not 0 <= t < self.engine.target.cfg.vocab_size]
             if bad:
                 raise ValueError(
-                    f"prompt token ids {bad[:5]} are outside [0, {self.engine.target.cfg.vocab_size}); "
+                    f"prompt token ids {bad[:5]} are outside [0, "
+                    f"{self.engine.target.cfg.vocab_size}); "
                     "pass ids of the target's tokenizer"
                 )
         if not ids:

@@ -21,7 +21,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rheo_engine.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m rheo_engine.generate", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--prompt", help="text to continue (omit to read prompts from stdin)")
     p.add_argument("--target", help="HF Llama directory (default: the embedded pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default: the embedded pair)")
@@ -56,7 +58,8 @@ def stats_line(gen: Generation) -> str:
     return (
         f"[{gen.method}] {len(gen.token_ids)} tokens in {gen.steps} steps, "
         f"tau {gen.mean_accept_length:.2f}, {gen.tokens_per_s:.1f} tokens/s "
-        f"(draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target {t.target_s:.2f}s, verify {t.verify_s:.2f}s, "
+        f"(draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target {t.target_s:.2f}s, "
+        f"verify {t.verify_s:.2f}s, "
         f"commit {t.commit_s:.2f}s; stop: {gen.stop_reason})"
     )
 
@@ -67,7 +70,8 @@ def as_json(gen: Generation) -> dict:
         "text": gen.text, "token_ids": gen.token_ids, "method": gen.method, "steps": gen.steps,
         "mean_accept_length": gen.mean_accept_length, "tokens_per_s": gen.tokens_per_s,
         "wall_s": gen.wall_s, "stop_reason": gen.stop_reason, "accept_lengths": gen.accept_lengths,
-        "prefill_s": gen.prefill_s, "draft_s": t.draft_s, "head_s": t.head_s, "target_s": t.target_s,
+        "prefill_s": gen.prefill_s, "draft_s": t.draft_s, "head_s": t.head_s,
+        "target_s": t.target_s,
         "verify_s": t.verify_s, "commit_s": t.commit_s,
     }  # fmt: skip
 

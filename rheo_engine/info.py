@@ -12,8 +12,10 @@ def info_lines() -> list[str]:
 
     lines = [f"rheo_engine._C: {kernels.build_info()}"]
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
-    lines.append(f"python {platform.python_version()} on {platform.machine()}, "
-                 f"{torch.get_num_threads()} torch threads")
+    lines.append(
+        f"python {platform.python_version()} on {platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads"
+    )
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)

@@ -186,7 +186,9 @@ def tree_attention(
     if q.dim() != 4:
         raise ValueError(f"q must be [B, N, H, D], got shape {list(q.shape)}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _C.tree_attention(q, k, v, tree_mask, prefix_len, q.shape[-1] ** -0.5 if scale is None else scale, out)
+    _C.tree_attention(
+        q, k, v, tree_mask, prefix_len, q.shape[-1] ** -0.5 if scale is None else scale, out
+    )
     return out
 
 

@@ -94,14 +94,18 @@ def pool_sampler_ref(
         # support: descending logit, ties lower id first (stable sort keeps id order)
         order = torch.sort(row, descending=True, stable=True).indices
         ids = order[:Se]
-        l = row[ids]
+        logit = row[ids]
         log_q_all = torch.log_softmax(row, 0)[order]  # untempered q, support order
         log_q = log_q_all[:Se]
         out.q_tilde_ids[r] = ids.to(torch.int32)
         y = -1
         if kind == "rheo" and T > 0:
-            w = torch.exp((l[m:] - l[m]) / T)  # tempered weights on support minus leads
-            log_zT = (l[m] - l[0]) / T + torch.log(w.sum()) - torch.logsumexp((l - l[0]) / T, 0)
+            w = torch.exp((logit[m:] - logit[m]) / T)  # tempered weights on support minus leads
+            log_zT = (
+                (logit[m] - logit[0]) / T
+                + torch.log(w.sum())
+                - torch.logsumexp((logit - logit[0]) / T, 0)
+            )
             if m == 0 or log_zT >= log_tiny:
                 out.q_tilde[r, m:] = w / w.sum()
                 forced = -1 if forced_sample is None else int(forced_sample[r])
@@ -165,7 +169,6 @@ class TreeRef(NamedTuple):
 
 def _tree_one(scores, tokens, cand_parents, sampled, root, prefix, N, max_depth):
     """Layout of one tree as Python lists (DESIGN.md §2.2)."""
-    L = len(scores)
     for c, p in enumerate(cand_parents):
         if not -1 <= p < c:
             raise ValueError(f"cand_parents[{c}] = {p} must be -1 or a flat index in [0, {c})")
@@ -224,8 +227,13 @@ def build_tree_ref(
     B = cand_scores.shape[0]
     trees = [
         _tree_one(
-            cand_scores[b].double().tolist(), cand_tokens[b].tolist(), cand_parents[b].tolist(),
-            cand_sampled[b].tolist(), int(root_tokens[b]), int(prefix_len[b]), total_tokens,
+            cand_scores[b].double().tolist(),
+            cand_tokens[b].tolist(),
+            cand_parents[b].tolist(),
+            cand_sampled[b].tolist(),
+            int(root_tokens[b]),
+            int(prefix_len[b]),
+            total_tokens,
             depth,
         )  # fmt: skip
         for b in range(B)
@@ -241,6 +249,7 @@ def build_tree_ref(
         cand_index=stack("cand_index", N), tree_mask=stack("tree_mask", N, N, dtype=torch.uint8),
         retrieve_indices=stack("retrieve_indices", N, depth + 1), n_leaves=stack("n_leaves"),
     )  # fmt: skip
+
 
 # === tree attention ===
 def tree_attention_ref(
@@ -338,14 +347,14 @@ def _layer_ref(w, order, y_pos, tokens, q_support, decide):
         else:  # Y: min(1, r(Y)/q~(Y)); on reject r = norm(max(0, r - q~))
             ids, qs = q_support[child]
             q_y, removed, lost = 0.0, 0.0, 0
-            for v, q in zip(ids, qs):
+            for v, q in zip(ids, qs, strict=True):
                 if v == tok:
                     q_y = q
                 removed += min(w[v], Z * q)
                 lost += w[v] > 0.0 and w[v] <= Z * q
             if decide(j, child, w[tok] / Z, q_y, nnz == lost):
                 return child, Z
-            for v, q in zip(ids, qs):
+            for v, q in zip(ids, qs, strict=True):
                 w[v] = max(0.0, w[v] - Z * q)
             Z, nnz = Z - removed, nnz - lost
         if Z < _RESUM_BELOW:  # cancellation: re-sum the normaliser
@@ -389,7 +398,9 @@ def verification_ref(
     accept_len = torch.zeros(B, dtype=torch.int32)
     bonus = torch.zeros(B, dtype=torch.int32)
     for b in range(B):
-        tok, par, samp, q_support = _tree_lists(b, tokens, parents, sampled_row, q_tilde_ids, q_tilde)
+        tok, par, samp, q_support = _tree_lists(
+            b, tokens, parents, sampled_row, q_tilde_ids, q_tilde
+        )
         path, node = [0], 0
         while True:
             w = process_logits_ref(logits[b, node], T, top_p, top_k).tolist()
@@ -435,7 +446,9 @@ def verification_law_ref(
     accept = torch.zeros(B, N, dtype=torch.float64)
     emit = torch.zeros(B, N, V, dtype=torch.float64)
     for b in range(B):
-        tok, par, samp, q_support = _tree_lists(b, tokens, parents, sampled_row, q_tilde_ids, q_tilde)
+        tok, par, samp, q_support = _tree_lists(
+            b, tokens, parents, sampled_row, q_tilde_ids, q_tilde
+        )
         accept[b, 0] = 1.0
         for node in range(N):
             w = process_logits_ref(logits[b, node], T, top_p, top_k).tolist()

@@ -284,7 +284,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--target", required=True, type=Path, help="HF Llama target directory")
     p.add_argument("--out", required=True, type=Path, help="new head directory (must not exist)")
-    p.add_argument("--corpus", type=Path, help="folder of text files for prompts (default: BOS)")
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        help="folder of text files for prompts, or 'stdlib' for the default target's training "
+        "split (default: BOS alone)",
+    )
     p.add_argument("--work", type=Path, help="data + checkpoint folder for --resume")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --work")
     p.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget (default 15)")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rheo_engine.config import ModelConfig
-from rheo_engine.corpus import read_text, text_files
+from rheo_engine.corpus import load_corpus, read_text, text_files
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.tokenizer import Tokenizer
 
@@ -46,7 +46,10 @@ def resolve_feature_layers(target: ModelConfig, given: tuple[int, ...] | None) -
 
 
 def corpus_files(corpus_dir: str | Path) -> list[Path]:
-    """The non-empty UTF-8 text files under ``corpus_dir`` (checked before any work)."""
+    """The non-empty UTF-8 text files under ``corpus_dir`` (checked before any work); the word
+    ``stdlib`` means the default target's training split (rheo_engine.corpus)."""
+    if str(corpus_dir) == STDLIB:
+        return list(load_corpus().train)
     root = Path(corpus_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"--corpus {root} not found; pass a folder of text files")
@@ -75,6 +78,9 @@ def corpus_prompts(files: list[Path], tok: Tokenizer, n: int, length: int,
         if len(ids) == length:
             prompts.append(ids)
     return torch.tensor(prompts, dtype=torch.int64)
+
+
+STDLIB = "stdlib"  # --corpus stdlib: the default target's own training files
 
 
 @dataclass

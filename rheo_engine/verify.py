@@ -31,7 +31,7 @@ def verify_tree(
     seed: int,
     step: int,
 ) -> kernels.Verdict:
-    """Walk each tree with the target logits [B, N, V]; returns the accepted path and bonus token."""
+    """Walk each tree with the target logits [B, N, V]: the accepted path and the bonus token."""
     t = dt.tree
     return kernels.verification(
         logits, t.tokens, t.parents, t.sampled_row, dt.q_tilde_ids, _q_tilde_like(dt, logits),

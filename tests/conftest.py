@@ -34,8 +34,9 @@ def stories_dir(shared_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return convert_llama2c(model_bin, tok, tmp_path_factory.mktemp("stories260K"))
 
 
-def write_fresh_head(target_dir: Path, out_dir: Path, feature_layers: tuple[int, ...], seed: int,
-                     std: float = 0.02) -> Path:
+def write_fresh_head(
+    target_dir: Path, out_dir: Path, feature_layers: tuple[int, ...], seed: int, std: float = 0.02
+) -> Path:
     """A freshly initialised EAGLE-3 head for the target in ``target_dir`` (official layout)."""
     import json
 
@@ -60,7 +61,9 @@ def write_fresh_head(target_dir: Path, out_dir: Path, feature_layers: tuple[int,
 @pytest.fixture(scope="session")
 def stories_head_dir(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh (untrained) EAGLE-3 head for stories260K, fusing target layers 1, 2, 3 of 5."""
-    return write_fresh_head(stories_dir, tmp_path_factory.mktemp("head") / "head", (1, 2, 3), 0, 0.5)
+    return write_fresh_head(
+        stories_dir, tmp_path_factory.mktemp("head") / "head", (1, 2, 3), 0, 0.5
+    )
 
 
 STORIES_HEAD_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "stories260K" / "head"

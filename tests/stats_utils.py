@@ -11,11 +11,17 @@ def chi2_sf(stat: float, df: int) -> float:
     """P(X >= stat) for X ~ chi-square(df): the regularised upper incomplete gamma."""
     if df <= 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2.0, dtype=torch.float64),
+            torch.tensor(stat / 2.0, dtype=torch.float64),
+        )
+    )
 
 
-def g_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, float]:
+def g_test(
+    counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0
+) -> tuple[float, float]:
     """G-test of observed ``counts`` against exact ``probs`` (same shape); returns (G, p-value).
 
     Cells whose expected count is below ``min_expected`` are pooled into one cell. A count in a

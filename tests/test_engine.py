@@ -53,7 +53,10 @@ def test_greedy_equals_ar_and_golden(engine, method):
 
 
 def test_greedy_with_tiny_and_wide_trees(engine):
-    for tree in (dict(topk=1, depth=1, total_tokens=2, leads=0), dict(topk=10, depth=8, total_tokens=60)):
+    for tree in (
+        dict(topk=1, depth=1, total_tokens=2, leads=0),
+        dict(topk=10, depth=8, total_tokens=60),
+    ):
         gen = engine.generate(PROMPT, 32, method="rheo", temperature=0.0, seed=0, **tree)
         assert gen.token_ids == GOLDEN_32
 

@@ -56,7 +56,7 @@ def enumerate_drafts(cfg: TreeConfig, temperature: float, build) -> list[tuple[f
                     choices.append([(-1, 1.0)])
                     continue
                 ids, probs = pool.q_tilde_ids[row].tolist(), pool.q_tilde[row].tolist()
-                choices.append([(t, p) for t, p in zip(ids, probs) if p > 0])
+                choices.append([(t, p) for t, p in zip(ids, probs, strict=True) if p > 0])
             raise _NeedChoice(level, choices)
 
         try:
@@ -174,7 +174,7 @@ class _FixedDrafter:
 def test_one_layer_exact(V):
     g = torch.Generator().manual_seed(V)
     gaps = []
-    for trial in range(3):
+    for _ in range(3):
         p_logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
         q_logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
         p = torch.softmax(p_logits, 0)
@@ -193,7 +193,7 @@ def test_one_layer_exact(V):
                 _, acc_topk = one_layer(p_logits, q_logits, K, m, "topk", SamplingConfig(), V)
                 gaps.append(acc - acc_topk)
     # DESIGN.md §2.3: rheo need not beat topk at every node; recorded, not asserted per node.
-    print(f"V={V}: rheo - topk acceptance: min {min(gaps):+.4f} mean {sum(gaps)/len(gaps):+.4f}")
+    print(f"V={V}: rheo - topk acceptance: min {min(gaps):+.4f} mean {sum(gaps) / len(gaps):+.4f}")
 
 
 def test_one_layer_exact_tempered_sparse():
@@ -259,7 +259,9 @@ TREE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: "V{}o{}k{}d{}N{}m{}S{}T{}p{}k{}".format(*c))
+@pytest.mark.parametrize(
+    "case", TREE_CASES, ids=lambda c: "V{}o{}k{}d{}N{}m{}S{}T{}p{}k{}".format(*c)
+)
 @pytest.mark.parametrize("method", METHODS)
 def test_whole_tree_exact(case, method):
     V, order, topk, depth, total, leads, S, T, top_p, top_k = case
@@ -291,7 +293,9 @@ def _break_proxy(monkeypatch, mode: str) -> None:
         slots = pool.sampled_slot[rows].long()
         if mode == "q_of_y":  # q_proxy = q(Y): survival now depends on which Y was drawn
             y = pool.tokens[rows, slots].long()
-            value = torch.log_softmax(logits[rows].to(torch.float64), -1)[torch.arange(len(rows)), y]
+            value = torch.log_softmax(logits[rows].to(torch.float64), -1)[
+                torch.arange(len(rows)), y
+            ]
         else:  # the paper's Table 1 constant 0.25
             value = torch.full((len(rows),), math.log(0.25), dtype=torch.float64)
         pool.log_proxy[rows, slots] = value.to(pool.log_proxy.dtype)
@@ -305,7 +309,8 @@ PAPER_TABLE1 = NGramTable(torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 3, dtype=to
 
 @pytest.mark.parametrize("mode", ["q_of_y", "fixed_0.25"])
 def test_broken_proxy_is_detected_exactly(monkeypatch, mode):
-    """Paper Table 1: q = (0.5, 0.3, 0.2), K = 3, m = 1, two nodes kept. Correct: exact; broken: biased."""
+    """Paper Table 1: q = (0.5, 0.3, 0.2), K = 3, m = 1, two nodes kept: exact when correct,
+    biased when broken."""
     target = NGramTable(torch.log(torch.tensor([[0.2, 0.5, 0.3]] * 3, dtype=torch.float64)))
     cfg = TreeConfig("rheo", topk=3, depth=1, total_tokens=3, leads=1, support=3)
     assert max_law_error(target, PAPER_TABLE1, [0], cfg, SamplingConfig()) < 1e-12

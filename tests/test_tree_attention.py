@@ -51,8 +51,9 @@ CASES = [
 def test_fp32_matches_reference(B, N, H, Hkv, D, prefix_len):
     q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, extra_rows=2)
     out = kernels.tree_attention(q, k, v, mask, prefix_len)
-    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, prefix_len),
-                               atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference.tree_attention_ref(q, k, v, mask, prefix_len), atol=2e-6, rtol=1e-5
+    )
 
 
 def test_arbitrary_mask_and_scale():
@@ -61,16 +62,18 @@ def test_arbitrary_mask_and_scale():
     mask = (torch.rand(2, 11, 11, generator=torch.Generator().manual_seed(4)) < 0.4).to(torch.uint8)
     mask[0, 3] = 0
     out = kernels.tree_attention(q, k, v, mask, 5, scale=0.37)
-    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, 5, 0.37),
-                               atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference.tree_attention_ref(q, k, v, mask, 5, 0.37), atol=2e-6, rtol=1e-5
+    )
 
 
 def test_long_prefix_spans_many_tiles():
     q, k, v, mask = random_inputs(1, 20, 8, 2, 64, 1000, seed=5)
     q = q * 3  # peaked softmax: the running max changes across tiles
     out = kernels.tree_attention(q, k, v, mask, 1000)
-    torch.testing.assert_close(out, reference.tree_attention_ref(q, k, v, mask, 1000),
-                               atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference.tree_attention_ref(q, k, v, mask, 1000), atol=5e-6, rtol=1e-5
+    )
 
 
 def test_strided_views():
@@ -85,8 +88,13 @@ def test_strided_views():
     assert not (q.is_contiguous() or k.is_contiguous())
     out = kernels.tree_attention(q, k, v, mask, prefix_len)
     torch.testing.assert_close(
-        out, reference.tree_attention_ref(q.contiguous(), k.contiguous(), v.contiguous(), mask,
-                                          prefix_len), atol=2e-6, rtol=1e-5)
+        out,
+        reference.tree_attention_ref(
+            q.contiguous(), k.contiguous(), v.contiguous(), mask, prefix_len
+        ),
+        atol=2e-6,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -103,7 +111,7 @@ def test_half_precision_error_within_torch_noise(dtype, B, N, H, Hkv, D, prefix_
     torch_err = (torch_low.float() - exact).abs().max().item()
     assert kernel_err <= 2 * torch_err + 1e-4, (kernel_err, torch_err)
     # The kernel computes in fp32, so its only error is rounding the output once.
-    assert kernel_err <= 2 * (exact.abs().max().item() * 2.0 ** -8) + 1e-6
+    assert kernel_err <= 2 * (exact.abs().max().item() * 2.0**-8) + 1e-6
 
 
 def test_literal_values():
@@ -156,8 +164,9 @@ def test_equals_causal_attention_on_each_path():
         causal = torch.ones(len(path), len(rows), dtype=torch.bool).tril(prefix_len)
         kp = k[0, rows].repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
         vp = v[0, rows].repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
-        expected = F.scaled_dot_product_attention(q[0, path].transpose(0, 1), kp, vp,
-                                                  attn_mask=causal)
+        expected = F.scaled_dot_product_attention(
+            q[0, path].transpose(0, 1), kp, vp, attn_mask=causal
+        )
         torch.testing.assert_close(out[0, path], expected.transpose(0, 1), atol=2e-6, rtol=1e-5)
 
 
@@ -188,10 +197,14 @@ def _good():
         (lambda q, k, v, m: (q, k, v, m.bool(), 2), "tree_mask must have dtype"),
         (lambda q, k, v, m: (q, k, v[:, :4], m, 2), r"v must be \[B, Lc, Hkv, D\]"),
         (lambda q, k, v, m: (q, k[..., :4], v, m, 2), r"k must be \[B, Lc, Hkv, D\]"),
-        (lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, m, 2),
-         r"q must have a dense last dim.*\.contiguous\(\)"),
-        (lambda q, k, v, m: (q, k, v.transpose(1, 2).contiguous().transpose(1, 2), m, 2),
-         r"k and v must have the same strides.*\.contiguous\(\)"),
+        (
+            lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, m, 2),
+            r"q must have a dense last dim.*\.contiguous\(\)",
+        ),
+        (
+            lambda q, k, v, m: (q, k, v.transpose(1, 2).contiguous().transpose(1, 2), m, 2),
+            r"k and v must have the same strides.*\.contiguous\(\)",
+        ),
     ],
 )
 def test_bad_input_raises_value_error(change, match):
@@ -217,8 +230,9 @@ def test_cuda_matches_cpu(dtype, B, N, H, Hkv, D, prefix_len):
     mask[0, -1, :] = 0  # one node blind when prefix_len = 0
     cpu = kernels.tree_attention(q, k, v, mask, prefix_len)
     q_c, k_c, v_c, mask_c = (t.cuda() for t in (q, k, v, mask))
-    gpu = kernels.tree_attention(q_c.transpose(1, 2).contiguous().transpose(1, 2), k_c, v_c,
-                                 mask_c, prefix_len).cpu()
+    gpu = kernels.tree_attention(
+        q_c.transpose(1, 2).contiguous().transpose(1, 2), k_c, v_c, mask_c, prefix_len
+    ).cpu()
     # Both accumulate in fp32; they differ only by summation order and one output rounding.
     tol = 2e-5 if dtype == torch.float32 else (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
     torch.testing.assert_close(gpu.float(), cpu.float(), atol=tol, rtol=tol)

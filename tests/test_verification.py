@@ -126,7 +126,9 @@ def test_process_logits_ref_rules():
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("T,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 3), (1.5, 0.9, 0), (0.0, 1.0, 0)])
+@pytest.mark.parametrize(
+    "T,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 3), (1.5, 0.9, 0), (0.0, 1.0, 0)]
+)
 def test_law_matches_reference(method, T, top_p, top_k):
     args = random_trees(2, 16, 111, seed=7 + int(10 * T), dtype=torch.float64)
     acc, emit = kernels.verification_law(*args, method, T, top_p, top_k)
@@ -160,8 +162,8 @@ def test_frequency_matches_law(method):
     one = random_trees(1, 9, 5, seed=123, scale=1.0, Se=5, p_sampled=1.0)
     assert (one[3] >= 0).any()
     B = 10_000
-    args = (one[0].expand(B, -1, -1).contiguous(), *(t.expand(B, -1).contiguous() for t in one[1:4]),
-            *one[4:])  # fmt: skip
+    batched = (t.expand(B, -1).contiguous() for t in one[1:4])
+    args = (one[0].expand(B, -1, -1).contiguous(), *batched, *one[4:])
     acc, emit = kernels.verification_law(*one, method, 0.9, 1.0, 0)
     probs = law_outcome_probs(acc[0], emit[0], one[2][0])
     counts = torch.zeros_like(probs)
@@ -373,7 +375,9 @@ def test_non_finite_logits_at_unvisited_node_are_ignored():
     logits = torch.zeros(1, 4, 5)
     logits[0, 0, 4] = 50.0  # root emits 4 at T = 0: nodes 1-3 are never visited
     logits[0, 1:] = float("nan")
-    out = kernels.verification(logits, tokens, parents, sampled, ids, torch.zeros(0, 5), "topk", 0.0)
+    out = kernels.verification(
+        logits, tokens, parents, sampled, ids, torch.zeros(0, 5), "topk", 0.0
+    )
     assert out.accept_len.tolist() == [1] and out.bonus_token.tolist() == [4]
 
 
@@ -384,8 +388,9 @@ def test_non_finite_logits_at_unvisited_node_are_ignored():
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cuda_matches_cpu(method, dtype):
-    for V, N, B, T, top_p, top_k in [(111, 20, 99, 1.0, 1.0, 0), (32000, 60, 8, 0.7, 0.9, 0),
-                                     (1000, 1, 5, 1.5, 1.0, 3), (5, 9, 33, 0.0, 1.0, 0)]:  # fmt: skip
+    cases = [(111, 20, 99, 1.0, 1.0, 0), (32000, 60, 8, 0.7, 0.9, 0),
+             (1000, 1, 5, 1.5, 1.0, 3), (5, 9, 33, 0.0, 1.0, 0)]  # fmt: skip
+    for V, N, B, T, top_p, top_k in cases:
         args = list(random_trees(B, N, V, seed=V + N, dtype=torch.float64))
         args[0] = args[0].to(dtype)
         args[5] = args[5].to(torch.float64 if dtype == torch.float64 else torch.float32)

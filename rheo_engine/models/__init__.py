@@ -1,1 +1,1 @@
-"""Models the engine can drive: the n-gram toy (tests), and later the Llama target and EAGLE-3 head."""
+"""Models the engine drives: the Llama target, the EAGLE-3 head, and the n-gram toy (tests)."""

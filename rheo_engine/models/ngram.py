@@ -18,7 +18,8 @@ class NGramTable:
     def __init__(self, logits: torch.Tensor) -> None:
         if logits.dim() < 2 or len(set(logits.shape)) != 1:
             raise ValueError(
-                f"n-gram logits must have shape [V] * order with order >= 2, got {list(logits.shape)}"
+                "n-gram logits must have shape [V] * order with order >= 2, got "
+                f"{list(logits.shape)}"
             )
         self.logits = logits
         self.order = logits.dim()
@@ -42,7 +43,8 @@ class NGramTable:
 
 
 def node_contexts(tree: kernels.Tree, history: torch.Tensor) -> torch.Tensor:
-    """The last H tokens ending at each node [B, N, H] (oldest first); history [B, H] ends at the root."""
+    """The last H tokens ending at each node [B, N, H], oldest first (history [B, H] ends at
+    the root)."""
     B, N = tree.tokens.shape
     H = history.shape[1]
     cur = torch.arange(N).expand(B, N)
@@ -56,7 +58,9 @@ def node_contexts(tree: kernels.Tree, history: torch.Tensor) -> torch.Tensor:
     return torch.stack(ctx[::-1], -1)
 
 
-def advance_history(history: torch.Tensor, tree: kernels.Tree, verdict: kernels.Verdict) -> torch.Tensor:
+def advance_history(
+    history: torch.Tensor, tree: kernels.Tree, verdict: kernels.Verdict
+) -> torch.Tensor:
     """The last H tokens after committing the accepted path; the bonus token is the new root."""
     H = history.shape[1]
     lens = verdict.accept_len.long()
