@@ -214,7 +214,7 @@ def test_head_with_own_embedding_and_target_hidden_size(target: LlamaModel):
     drafter = Eagle3Drafter(head, max_len=8)
     drafter.prefill(features, next_tokens)
     ref = ref_path_logits(sd, embed, features[0], next_tokens[0], [])
-    torch.testing.assert_close(drafter.root_logits()[0], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter.root_logits()[0], ref, atol=1e-4, rtol=1e-4)
 
 
 # --- drafting -------------------------------------------------------------------------------
@@ -244,10 +244,12 @@ def test_expand_equals_recomputing_each_path(target: LlamaModel, head: Eagle3Hea
             for j in range(K):
                 ref = ref_path_logits(sd, target.embed_tokens, features[b], next_tokens[b],
                                       paths[b][j])  # fmt: skip
-                torch.testing.assert_close(logits[b, j], ref, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    logits[b, j], ref, atol=1e-4, rtol=1e-4
+                )  # fp32 summation-order noise
     for b in range(B):
         ref = ref_path_logits(sd, target.embed_tokens, features[b], next_tokens[b], [])
-        torch.testing.assert_close(root[b], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(root[b], ref, atol=1e-4, rtol=1e-4)
 
 
 def _accept_longest_path(tree: kernels.Tree, bonus: int) -> kernels.Verdict:
@@ -286,7 +288,7 @@ def test_commit_equals_prefill_of_the_accepted_sequence(head: Eagle3Head):
         assert drafter.length == all_tokens.shape[1]
         fresh = Eagle3Drafter(head, max_len=64)
         fresh.prefill(all_features, all_tokens)
-        torch.testing.assert_close(drafter.root_logits(), fresh.root_logits(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(drafter.root_logits(), fresh.root_logits(), atol=1e-4, rtol=0)
         next_tokens = new_tokens.view(1, -1)
 
 
