@@ -51,28 +51,38 @@ using pool_sampler_detail::scan_support;
 // Y ~ q~ on support minus leads (support indices m..Se-1), weights w_j = exp((l_j - l_m) / T).
 // Writes q~ into qt[0..Se) and returns the support index of Y; -1 when z_T underflows (the
 // degenerate case of DESIGN.md §2.1: no sampled child, qt all 0). `forced` is a support index
-// to pin Y to, or -1 to draw with the coin `u` by inverse CDF in support order.
+// to pin Y to, or -1 to draw with the coin `u` by inverse CDF in support order. Each weight is
+// one exp, kept in qt until the draw is done.
 int64_t sample_tilde(const double* l, int64_t Se, int32_t m, double T, double u, int64_t forced,
                      double tiny, double* qt) {
-  std::fill(qt, qt + Se, 0.0);
-  double W = 0.0, all = 0.0;  // tempered mass of the non-leads (rel. l_m) and of all (rel. l_0)
-  for (int64_t j = m; j < Se; ++j) W += std::exp((l[j] - l[m]) / T);
-  for (int64_t j = 0; j < Se; ++j) all += std::exp((l[j] - l[0]) / T);
-  // z_T = tempered mass outside the leads, in logs so that no term overflows.
-  const double log_zT = (l[m] - l[0]) / T + std::log(W) - std::log(all);
-  if (m > 0 && !(log_zT >= std::log(tiny))) return -1;
-  for (int64_t j = m; j < Se; ++j) qt[j] = std::exp((l[j] - l[m]) / T) / W;
-  if (forced >= 0) return forced;
-  const double target = u * W;
-  double running = 0.0;
-  int64_t last_positive = m;
-  for (int64_t j = m; j < Se; ++j) {
-    const double w = std::exp((l[j] - l[m]) / T);
-    if (w > 0.0) last_positive = j;
-    running += w;
-    if (running > target) return j;
+  std::fill(qt, qt + m, 0.0);
+  double W = 0.0;  // tempered mass of the non-leads, relative to l_m
+  for (int64_t j = m; j < Se; ++j) W += (qt[j] = std::exp((l[j] - l[m]) / T));
+  // z_T = tempered mass outside the leads over all of it (relative to l_0), in logs so that no
+  // term overflows: all = sum_{j<m} exp((l_j - l_0)/T) + exp((l_m - l_0)/T) * W.
+  const double shift = (l[m] - l[0]) / T;
+  double leads = 0.0;
+  for (int64_t j = 0; j < m; ++j) leads += std::exp((l[j] - l[0]) / T);
+  const double all = leads + std::exp(shift) * W;
+  const double log_zT = shift + std::log(W) - std::log(all);
+  if (m > 0 && !(log_zT >= std::log(tiny))) {
+    std::fill(qt, qt + Se, 0.0);
+    return -1;
   }
-  return last_positive;  // rounding left u * W at or past the running total
+  int64_t y = forced;
+  if (y < 0) {
+    const double target = u * W;
+    double running = 0.0;
+    int64_t last_positive = m;
+    for (int64_t j = m; j < Se && y < 0; ++j) {
+      if (qt[j] > 0.0) last_positive = j;
+      running += qt[j];
+      if (running > target) y = j;
+    }
+    if (y < 0) y = last_positive;  // rounding left u * W at or past the running total
+  }
+  for (int64_t j = m; j < Se; ++j) qt[j] /= W;
+  return y;
 }
 
 // Support index of the forced token (or -1 for "draw"); error when it cannot be Y.
@@ -98,12 +108,13 @@ void pool_row(const PoolSamplerArgs& a, int64_t r, std::vector<Entry<Real>>& hea
   double* log_q = l + Se;         // [Se] log q on the support
   double* qt = log_q + Se;        // [Se] q~ on the support
   int32_t* ids = a.q_tilde_ids + r * Se;
+  double* mass = qt + Se;          // [Se] exp(l - M) on the support (untempered)
   // log q = l - log-sum-exp over V; the support part of the sum is exact in double.
   double support_mass = 0.0;
   for (int64_t j = 0; j < Se; ++j) {
     ids[j] = heap[j].id;
     l[j] = static_cast<double>(heap[j].logit);
-    support_mass += std::exp(l[j] - static_cast<double>(M));
+    support_mass += (mass[j] = std::exp(l[j] - static_cast<double>(M)));
   }
   const double log_total = std::log(outside + support_mass);
   for (int64_t j = 0; j < Se; ++j) log_q[j] = l[j] - static_cast<double>(M) - log_total;
@@ -145,7 +156,7 @@ void pool_row(const PoolSamplerArgs& a, int64_t r, std::vector<Entry<Real>>& hea
         proxy = std::log(std::min(1.0, std::exp(log_q[0]) + kProxyEpsilon));
       } else {
         double nonlead = outside;
-        for (int64_t k = Se - 1; k >= m; --k) nonlead += std::exp(l[k] - static_cast<double>(M));
+        for (int64_t k = Se - 1; k >= m; --k) nonlead += mass[k];
         proxy = std::min(log_q[m - 1], std::log(nonlead) - log_total);
       }
       log_proxy[slot] = static_cast<Acc>(std::max(proxy, log_q[m]));
@@ -170,7 +181,7 @@ void pool_rows(const PoolSamplerArgs& a, std::vector<RowError>& errors) {
     std::vector<Entry<Real>> heap(Se);  // [Se] the support, support order
     std::vector<int32_t> chunks;         // float rows: [V / 16 + 1] chunk maxima of pass 1
     std::vector<Entry<float>> cand;      // float rows: [>= Se] candidates of pass 2
-    std::vector<double> work(3 * Se);
+    std::vector<double> work(4 * Se);  // l, log q, q~, exp(l - M) on the support
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < a.n; ++r) pool_row<Real, Acc>(a, r, heap, chunks, cand, work, errors[r]);
   }
