@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two quick-start commands (README):
-#   bash rheo.sh demo   set everything up, then run the main job
-#   bash rheo.sh test   set everything up, then run the whole test suite
+#   bash rheo.sh generate   set everything up, then generate with the embedded default pair
+#   bash rheo.sh test       set everything up, then run the whole test suite
+# Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh setup`.
 # Setting up = torch (the CPU wheel where there is no GPU), numpy, safetensors, sentencepiece,
 # tiktoken and ninja (plus pytest and transformers for the tests), and the
 # rheo_engine._C extension, rebuilt only when a source under csrc/ or bindings/ changed.
@@ -40,15 +41,18 @@ PYEOF
   "$PY" -c 'from rheo_engine import kernels; print("rheo_engine._C:", kernels.build_info())' >&2
 }
 
-job=${1:-demo}
+job=${1:-generate}
 shift || true
 setup
 case "$job" in
+  generate)
+    if [ $# -eq 0 ]; then set -- --prompt "def quicksort(xs):" --max-new-tokens 96; fi
+    exec "$PY" -m rheo_engine.generate "$@" ;;
   demo) exec "$PY" -m rheo_engine.demo "$@" ;;
   test)
     # Test-only dependencies: pytest, and HF transformers as the reference Llama.
     "$PY" -c 'import pytest, transformers' 2>/dev/null || "$PY" -m pip install -q pytest transformers
     exec "$PY" -m pytest -q tests "$@" ;;
   setup) "$PY" -m rheo_engine.info ;;
-  *) echo "usage: bash rheo.sh [demo|test|setup] [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash rheo.sh [generate|test|demo|setup] [args...]" >&2; exit 2 ;;
 esac
