@@ -1,4 +1,5 @@
-"""Resumable checkpoints of train_target.py, without pickle.
+"""What both trainers share: resumable checkpoints without pickle, the wall-clock budget, and
+the atomic write of an output folder.
 
 ``ckpt.safetensors`` holds the model (``model.*``), AdamW's moments and step counts
 (``opt.{i}.*``, i = the parameter's index in the optimizer's groups) and the data sampler's RNG
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,3 +75,32 @@ def load_checkpoint(
             }
     gen.set_state(tensors["rng"])
     return meta
+
+
+@dataclass
+class Budget:
+    """The wall-clock limit, counted from the start of the command."""
+
+    start: float
+    seconds: float
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+@contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """A fresh OUT.tmp-<pid> to write into, renamed to ``out`` only when the block completes;
+    on any error it is removed, so no half-written model folder is ever left behind."""
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            raise FileExistsError(f"--out {out} appeared while training; nothing was written")
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path(".cache/default-work"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-minutes", type=float, default=55.0)
-    p.add_argument("--head-minutes", type=float, default=15.0)
+    p.add_argument("--target-steps", type=int, default=1200)
+    p.add_argument("--head-minutes", type=float, default=12.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue the checkpoints in --work")
     args = p.parse_args(argv)
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (target_dir / "config.json").is_file():
         train_target.main(
             ["--out", str(target_dir), "--work", str(args.work / "target"),
-             "--minutes", str(args.target_minutes), *common, *resume]
+             "--minutes", str(args.target_minutes), "--steps", str(args.target_steps), *common,
+             *resume]
         )  # fmt: skip
     train_head.main(
         ["--target", str(target_dir), "--out", str(draft_dir), "--corpus", "stdlib",

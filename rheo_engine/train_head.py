@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -33,6 +32,7 @@ from rheo_engine.config import ModelConfig
 from rheo_engine.models.eagle3 import DEFAULT_ROPE_THETA, HeadConfig, head_config_json
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.tokenizer import Tokenizer
+from rheo_engine.train_checkpoint import Budget, atomic_folder
 from rheo_engine.train_head_data import (
     HeadData,
     corpus_files,
@@ -41,7 +41,7 @@ from rheo_engine.train_head_data import (
     generate_data,  # fmt: skip
     resolve_feature_layers,
 )
-from rheo_engine.train_head_loop import Budget, Trainer, check_resumable, jsonable
+from rheo_engine.train_head_loop import Trainer, check_resumable, jsonable
 from rheo_engine.train_head_model import TrainableHead  # noqa: F401  (re-exported)
 from rheo_engine.weights import load_safetensors, save_safetensors
 
@@ -176,17 +176,10 @@ def load_or_generate(target: LlamaModel, target_dir: Path, cfg: HeadTrainConfig,
 
 def export(out: Path, hcfg: HeadConfig, weights: dict[str, torch.Tensor], log: dict) -> None:
     """Write config.json, model.safetensors, train_log.json into OUT.tmp-<pid>, then rename."""
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(head_config_json(hcfg), indent=1) + "\n")
         save_safetensors(weights, tmp / "model.safetensors")
         (tmp / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-        if out.exists():
-            raise FileExistsError(f"--out {out} appeared while training; nothing was written")
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
 
 
 def target_fingerprint(target_dir: str | Path) -> str:

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from rheo_engine.models.eagle3 import HeadConfig, init_head_weights
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.train_checkpoint import Budget
 from rheo_engine.train_head_data import HeadData
 from rheo_engine.train_head_model import TrainableHead
 from rheo_engine.weights import load_safetensors, save_safetensors
@@ -31,20 +32,6 @@ if TYPE_CHECKING:
 
 PLAN_AT = (10, 50)  # steps at which the schedule's length is (re)fixed from the measured speed
 CHECKPOINT_SECONDS = 120.0  # between checkpoints in --work
-
-
-@dataclass
-class Budget:
-    """The wall-clock limit, counted from the start of the command."""
-
-    start: float
-    seconds: float
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def left(self) -> float:
-        return self.seconds - self.elapsed()
 
 
 class Trainer:

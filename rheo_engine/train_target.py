@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rheo_engine.corpus import load_corpus
-from rheo_engine.train_checkpoint import load_checkpoint, save_checkpoint
+from rheo_engine.train_checkpoint import Budget, atomic_folder, load_checkpoint, save_checkpoint
 from rheo_engine.train_data import TokenStreams, build_streams, train_tokenizer
 from rheo_engine.train_model import TinyLlama
 from rheo_engine.weights import save_safetensors
@@ -149,20 +148,6 @@ def evaluate(model: TinyLlama, windows: torch.Tensor) -> float:
     return total / count
 
 
-@dataclass
-class Budget:
-    """The wall-clock limit, counted from the start of the command."""
-
-    start: float
-    seconds: float
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def left(self) -> float:
-        return self.seconds - self.elapsed()
-
-
 @dataclass(frozen=True)
 class RunOptions:
     """How one run goes (paths, budget, logging); none of it changes the trained weights."""
@@ -262,18 +247,11 @@ def export(
     log["val_loss_fp32"] = round(evaluate(model, data.val_windows), 4)
     log["val_loss"] = round(evaluate(stored, data.val_windows), 4)
     log["val_perplexity"] = round(float(torch.tensor(log["val_loss"]).exp()), 3)
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg.hf_config(), indent=2) + "\n")
         save_safetensors(weights, tmp / "model.safetensors")
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.model")
         (tmp / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-        if out.exists():
-            raise FileExistsError(f"--out {out} appeared while training; nothing was written")
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
 
 
 def check_paths(out: Path, work: Path | None, resume: bool) -> None:
