@@ -39,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--leads", type=int, default=1, help="m, deterministic leads per pool")
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (small models: 1 is fastest)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -92,6 +93,11 @@ def run_one(engine: Engine, prompt: str, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"error: --threads={args.threads} must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     dtype = None if args.dtype is None else _DTYPES[args.dtype]
     try:
         engine = Engine.from_pretrained(args.target, args.draft, args.device, dtype)

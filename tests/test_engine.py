@@ -181,3 +181,8 @@ def test_cli_streams_and_reports(stories_dir, stories_head_dir, capsys):
 def test_cli_reports_bad_input(stories_dir, capsys):
     code = generate_main(["--target", str(stories_dir), "--prompt", "x", "--top-p", "2"])
     assert code == 2 and "top_p" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_threads(stories_dir, capsys):
+    code = generate_main(["--target", str(stories_dir), "--prompt", "x", "--threads", "0"])
+    assert code == 2 and "--threads=0" in capsys.readouterr().err
