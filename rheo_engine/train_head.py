@@ -174,10 +174,19 @@ def load_or_generate(target: LlamaModel, target_dir: Path, cfg: HeadTrainConfig,
     return data
 
 
-def export(out: Path, hcfg: HeadConfig, weights: dict[str, torch.Tensor], log: dict) -> None:
-    """Write config.json, model.safetensors, train_log.json into OUT.tmp-<pid>, then rename."""
+def export(out: Path, hcfg: HeadConfig, weights: dict[str, torch.Tensor], log: dict,
+           dtype: torch.dtype) -> None:  # fmt: skip
+    """Write config.json, model.safetensors, train_log.json into OUT.tmp-<pid>, then rename.
+
+    Floating weights are stored in ``dtype``, the target's: the engine casts a head to its
+    target's dtype when it loads it (as EAGLE does), so wider storage would only cost space."""
+    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    dtype_name = str(dtype).removeprefix("torch.")
+    log["head_config"] = head_config_json(hcfg, dtype_name)
     with atomic_folder(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(head_config_json(hcfg), indent=1) + "\n")
+        (tmp / "config.json").write_text(
+            json.dumps(head_config_json(hcfg, dtype_name), indent=1) + "\n"
+        )
         save_safetensors(weights, tmp / "model.safetensors")
         (tmp / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
@@ -258,7 +267,7 @@ def _run(target_dir: Path, out: Path, cfg: HeadTrainConfig, hcfg: HeadConfig,
     }  # fmt: skip
     log["val"] = trainer.evaluate()
     log["wall_seconds"] = round(budget.elapsed(), 1)
-    export(out, hcfg, trainer.export_weights(), log)
+    export(out, hcfg, trainer.export_weights(), log, target.dtype)
     acc = " ".join(f"{a:.3f}" for a in log["val"]["acc"])
     print(f"done: step {log['step']}, val acc per step {acc}, {budget.elapsed() / 60:.1f} min "
           f"-> {out}", flush=True)  # fmt: skip

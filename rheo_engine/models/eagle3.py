@@ -188,7 +188,7 @@ def init_head_weights(cfg: HeadConfig, seed: int, std: float = 0.02) -> dict[str
     return weights
 
 
-def head_config_json(cfg: HeadConfig) -> dict[str, Any]:
+def head_config_json(cfg: HeadConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """The config.json of a head, with the official field names (eagle3.md §1.2)."""
     d: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -204,7 +204,7 @@ def head_config_json(cfg: HeadConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
         "hidden_act": "silu",
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         # Upstream EAGLE reads this key as "the checkpoint carries its own embed_tokens".

@@ -1,0 +1,65 @@
+"""The embedded default pair (weights/default): loads with no flags, fits the size budget, and
+speculative decoding reproduces greedy decoding token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rheo_engine import Engine
+from rheo_engine.engine import DEFAULT_PAIR
+from rheo_engine.generate import main as generate_main
+
+PROMPT = "def quicksort(xs):"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained()
+    torch.set_num_threads(threads)
+
+
+def test_committed_size_is_within_budget():
+    files = [p for p in DEFAULT_PAIR.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"config.json", "model.safetensors", "tokenizer.model"}
+    assert sum(p.stat().st_size for p in files) <= 20 * 2**20
+
+
+def test_head_fits_the_target_and_says_its_layers():
+    cfg = json.loads((DEFAULT_PAIR / "draft" / "config.json").read_text())
+    layers = cfg["eagle_aux_hidden_state_layer_ids"]
+    target = json.loads((DEFAULT_PAIR / "target" / "config.json").read_text())
+    assert len(set(layers)) == len(layers) and max(layers) < target["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("method", ["topk", "rrsw", "rheo"])
+def test_greedy_speculation_equals_greedy_decoding(engine, method):
+    ar = engine.generate(PROMPT, 48, method="ar", temperature=0)
+    spec = engine.generate(PROMPT, 48, method=method, temperature=0, seed=1)
+    assert spec.token_ids == ar.token_ids
+    assert spec.mean_accept_length > 1.5, "the default head barely helps: a regression"
+
+
+def test_sampling_runs_and_is_seeded(engine):
+    a = engine.generate(PROMPT, 32, method="rheo", temperature=1.0, seed=5)
+    b = engine.generate(PROMPT, 32, method="rheo", temperature=1.0, seed=5)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 32
+
+
+def test_cli_with_no_model_flags(capsys):
+    assert generate_main(["--prompt", PROMPT, "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 8 and out["method"] == "rheo"
+
+
+def test_missing_default_pair_is_a_clear_error(monkeypatch, tmp_path: Path):
+    import rheo_engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "DEFAULT_PAIR", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="default model pair"):
+        Engine.from_pretrained()
