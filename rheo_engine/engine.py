@@ -80,6 +80,9 @@ class _NoDraft:
     def expand(self, level, parent_rank, tokens):  # pragma: no cover - never called for ar
         raise AssertionError("method ar never drafts")
 
+    def prefill(self, features, next_tokens) -> None:
+        pass
+
     def commit(self, tree, verdict, features) -> None:
         pass
 
@@ -277,6 +280,5 @@ class Request:
             positions = torch.arange(body.shape[1]).unsqueeze(0)
             _, features = runner.model.forward(body, positions, cache, None, runner.feature_layers)
             cache.advance(body.shape[1])
-            if isinstance(drafter, Eagle3Drafter):
-                drafter.prefill(features, ids[:, 1:])
+            drafter.prefill(features, ids[:, 1:])
         return ids[:, -1]
