@@ -1,7 +1,7 @@
 """Builds rheo_engine._C: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc.
 
 Environment:
-  FORCE_CUDA=1            build the CUDA kernels even without a visible GPU (needs nvcc + CUDA torch)
+  FORCE_CUDA=1            build the CUDA kernels without a visible GPU (needs nvcc + CUDA torch)
   RHEO_NO_CUDA=1          never build them
   TORCH_CUDA_ARCH_LIST    GPU archs, e.g. "8.0;9.0" (default: the GPUs present)
   MAX_JOBS                parallel compile jobs (ninja)
@@ -14,9 +14,8 @@ import glob
 import os
 import sys
 
-from setuptools import setup
-
 import torch
+from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -67,7 +66,8 @@ def _extension() -> tuple[object, str]:
     cuda_defines = ["-DRHEO_WITH_CUDA"] + defines
     ext = cpp_extension.CUDAExtension(
         "rheo_engine._C", sources + _rel("csrc/cuda/*.cu"), include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx + cuda_defines, "nvcc": ["-O3", "-std=c++17"] + cuda_defines},
+        extra_compile_args={"cxx": cxx + cuda_defines,
+                            "nvcc": ["-O3", "-std=c++17"] + cuda_defines},
         extra_link_args=["-fopenmp"],
     )  # fmt: skip
     return ext, f"{info} ({why})"

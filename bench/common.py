@@ -121,7 +121,7 @@ def resolve_pair(pair: str, target: str | None, draft: str | None) -> tuple[Path
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{what} directory {path} has no config.json; build it (weights/README.md, "
-                "python -m rheo_engine.convert llama2c / rheo_engine.train_head) or pass "
+                "python -m rheo_engine.io.convert llama2c / rheo_engine.train.head) or pass "
                 f"--{'target' if what == 'target' else 'draft'} DIR"
             )
     return t, d

@@ -116,13 +116,13 @@ READY=0
 if [ ! -f "$TARGET/config.json" ]; then
     TARGET=$LOGDIR/work/stories260K
     rm -rf "$TARGET"
-    step convert 60 "$PY" -m rheo_engine.convert llama2c "$LLAMA2C/stories260K.bin" \
+    step convert 60 "$PY" -m rheo_engine.io.convert llama2c "$LLAMA2C/stories260K.bin" \
         "$LLAMA2C/tok512.model" "$TARGET" || READY=1
 fi
 if [ "$READY" = 0 ] && [ ! -f "$HEAD/config.json" ]; then
     HEAD=$LOGDIR/work/head
     rm -rf "$HEAD"
-    step train_head 120 "$PY" -m rheo_engine.train_head --target "$TARGET" --out "$HEAD" \
+    step train_head 120 "$PY" -m rheo_engine.train.head --target "$TARGET" --out "$HEAD" \
         --feature-layers 1,2,3 --minutes "${HEAD_MINUTES:-0.5}" --device cuda || READY=1
 fi
 if [ "$READY" = 0 ] && [ "$BUILT" = 0 ]; then

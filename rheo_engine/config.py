@@ -244,7 +244,7 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise FileNotFoundError(
                 f"{cfg_file} not found; the directory must hold an HF Llama config.json "
-                "(convert llama2.c checkpoints with `python -m rheo_engine.convert llama2c`)"
+                "(convert llama2.c checkpoints with `python -m rheo_engine.io.convert llama2c`)"
             )
         try:
             d = json.loads(cfg_file.read_text())

@@ -16,14 +16,14 @@ import torch
 
 from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
+from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.kv_cache import KVCache
 from rheo_engine.loop import StepTimes, new_seed, speculative_step
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.tokenizer import Tokenizer
 
-DEFAULT_PAIR = Path(__file__).resolve().parent.parent / "weights" / "default"
+DEFAULT_PAIR = Path(__file__).resolve().parents[1] / "weights" / "default"
 
 
 @dataclass

@@ -25,7 +25,7 @@ def shared_dir() -> Path:
 @pytest.fixture(scope="session")
 def stories_dir(shared_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """stories260K.bin + tok512.model converted by ``convert_llama2c`` into a temporary HF dir."""
-    from rheo_engine.convert import convert_llama2c
+    from rheo_engine.io.convert import convert_llama2c
 
     model_bin, tok = LLAMA2C / "stories260K.bin", LLAMA2C / "tok512.model"
     for f in (model_bin, tok):
@@ -41,8 +41,8 @@ def write_fresh_head(
     import json
 
     from rheo_engine.config import ModelConfig
+    from rheo_engine.io.weights import save_safetensors
     from rheo_engine.models.eagle3 import HeadConfig, head_config_json, init_head_weights
-    from rheo_engine.weights import save_safetensors
 
     t = ModelConfig.from_hf_dir(target_dir)
     cfg = HeadConfig(
@@ -76,7 +76,7 @@ def stories_trained_head(stories_dir: Path, tmp_path_factory: pytest.TempPathFac
     small head trained here in about a minute (its drafts are accepted: tau at T=1 near 2)."""
     import json
 
-    from rheo_engine.train_head import HeadTrainConfig, target_fingerprint, train_head
+    from rheo_engine.train.head import HeadTrainConfig, target_fingerprint, train_head
 
     log = STORIES_HEAD_CACHE / "train_log.json"
     if (STORIES_HEAD_CACHE / "config.json").is_file() and log.is_file():

@@ -15,12 +15,12 @@ import torch
 
 from rheo_engine import kernels
 from rheo_engine.config import ModelConfig, TreeConfig
-from rheo_engine.convert_eagle3 import convert_eagle3
 from rheo_engine.draft import draft_tree
+from rheo_engine.io.convert_eagle3 import convert_eagle3
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.eagle3 import Eagle3Head, HeadConfig
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.weights import load_safetensors, save_safetensors
 
 V, VD, HID, LAYERS = 64, 24, 32, 6  # target vocab, draft vocab, hidden (target = head), layers
 FEATURES = (1, 3, 4)  # listed: EAGLE's default (2, 3, 3) repeats a layer for 6 layers

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from rheo_engine.config import ModelConfig, RopeScaling
-from rheo_engine.convert import convert_llama2c
+from rheo_engine.io.convert import convert_llama2c
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.weights import load_safetensors, save_safetensors
 
 transformers = pytest.importorskip("transformers")
 

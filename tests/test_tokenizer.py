@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rheo_engine.tokenizer import (
+from rheo_engine.io.tokenizer import (
     CHAT_TEMPLATES,
     LLAMA3_SPECIAL_TOKENS,
     LLAMA3_SYSTEM,

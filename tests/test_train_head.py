@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rheo_engine.io.weights import load_safetensors
 from rheo_engine.models.eagle3 import Eagle3Head, HeadConfig
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.train_head import HeadTrainConfig, TrainableHead, main, train_head
-from rheo_engine.train_head_data import HeadData, draft_vocabulary
-from rheo_engine.weights import load_safetensors
+from rheo_engine.train.head import HeadTrainConfig, TrainableHead, main, train_head
+from rheo_engine.train.head_data import HeadData, draft_vocabulary
 
 TINY = dict(feature_layers=(1, 2, 3), samples=8, gen_len=24, batch=4, max_steps=3, warmup=1)
 

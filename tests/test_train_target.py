@@ -14,10 +14,10 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from rheo_engine.corpus import EXCLUDED_DIRS, is_validation, load_corpus
+from rheo_engine.io.weights import load_safetensors
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.train_target import TrainConfig, main, new_model
-from rheo_engine.weights import load_safetensors
+from rheo_engine.train.corpus import EXCLUDED_DIRS, is_validation, load_corpus
+from rheo_engine.train.target import TrainConfig, main, new_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -47,8 +47,9 @@ TINY = [
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("corpus")
-    for name in ("corpus.py", "draft.py", "verify.py", "engine.py", "train_data.py"):
-        shutil.copy(REPO / "rheo_engine" / name, d / name)
+    for rel in ("train/corpus.py", "draft.py", "verify.py", "engine.py",
+                "train/data.py"):  # fmt: skip
+        shutil.copy(REPO / "rheo_engine" / rel, d / Path(rel).name)
     (d / "notes").mkdir()
     (d / "notes" / "readme.txt").write_text("Plain text is corpus too.\n\tTabs, ünïcode ✓.\n")
     (d / "image.bin").write_bytes(b"\x00\x01\x02binary")  # skipped: not text

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache
-from rheo_engine.weights import load_safetensors
 
 if TYPE_CHECKING:
     from rheo_engine.config import ModelConfig
@@ -346,7 +346,7 @@ class Eagle3Head:
         if not (path / "model.safetensors").is_file() and (path / "pytorch_model.bin").is_file():
             raise ValueError(
                 f"{path} holds pytorch_model.bin only; weights load from safetensors: run "
-                f"python -m rheo_engine.convert_eagle3 {path} <out_dir> and load <out_dir>"
+                f"python -m rheo_engine.io.convert_eagle3 {path} <out_dir> and load <out_dir>"
             )
         return cls.from_weights(cfg, load_safetensors(path), target, device, dtype)
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from rheo_engine import kernels
 from rheo_engine.config import ModelConfig
+from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache
-from rheo_engine.weights import load_safetensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

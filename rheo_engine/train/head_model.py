@@ -1,4 +1,4 @@
-"""The trainable EAGLE-3 head of train_head.py, with EAGLE-3's training-time test.
+"""The trainable EAGLE-3 head of head.py, with EAGLE-3's training-time test.
 
 Parameter names are the official checkpoint's (``fc.weight``, ``midlayer.self_attn.q_proj.weight``
 ..., eagle3.md §1.3), so the state dict is the head. The numerics reuse eagle3.py's RMSNorm and

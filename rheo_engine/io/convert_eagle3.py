@@ -1,7 +1,7 @@
 """Convert an official EAGLE-3 head (config.json + pytorch_model.bin) to config.json +
 model.safetensors, the only weight format the engine loads (eagle3.md §1.1).
 
-    python -m rheo_engine.convert_eagle3 SRC_DIR OUT_DIR
+    python -m rheo_engine.io.convert_eagle3 SRC_DIR OUT_DIR
 
 The official training saves with DeepSpeed ``save_16bit_model``: a flat state dict pickled by
 torch. This is the project's one pickle load, restricted to tensors (``weights_only=True``).
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.eagle3 import REQUIRED_KEYS
-from rheo_engine.weights import load_safetensors, save_safetensors
 
 
 def _load_source(src: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""`python -m rheo_engine.train_default --out weights/default`: the embedded default pair.
+"""`python -m rheo_engine.train.default --out weights/default`: the embedded default pair.
 
 One seeded command for the whole recipe (weights/README.md is its model card):
 1. the target: ``train_target`` on the Python standard library (tokenizer + Llama), into
@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rheo_engine import train_head, train_target
+from rheo_engine.train import head as train_head
+from rheo_engine.train import target as train_target
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rheo_engine.train_default", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m rheo_engine.train.default", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("weights/default"))
     p.add_argument("--work", type=Path, default=Path(".cache/default-work"))
     p.add_argument("--seed", type=int, default=0)

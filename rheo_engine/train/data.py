@@ -1,4 +1,4 @@
-"""Tokenizer and token streams for train_target.py.
+"""Tokenizer and token streams for target.py.
 
 The tokenizer is a sentencepiece BPE model chosen for source code (measured on the stdlib
 validation files, vocab 4096: 3.26 bytes per token):
@@ -23,7 +23,7 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
-from rheo_engine.corpus import Corpus, read_text
+from rheo_engine.train.corpus import Corpus, read_text
 
 UNK, BOS, EOS = 0, 1, 2
 

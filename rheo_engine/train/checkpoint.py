@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rheo_engine.weights import load_safetensors, save_safetensors
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 
 
 def save_checkpoint(

@@ -1,11 +1,11 @@
 """Train an EAGLE-3 draft head for a Llama target on the target's own samples.
 
-    python -m rheo_engine.train_head --target DIR --out DIR [--corpus DIR] [--minutes 15]
+    python -m rheo_engine.train.head --target DIR --out DIR [--corpus DIR] [--minutes 15]
 
-1. Data (train_head_data.py): prompts (BOS alone, or BOS + short random spans of --corpus) are
+1. Data (head_data.py): prompts (BOS alone, or BOS + short random spans of --corpus) are
    continued by the target at T = 1; every position keeps the fused features at the head's
    feature layers and the target's final normed state (its next-token distribution).
-2. The head (train_head_model.py, official key names) learns by EAGLE-3's training-time test,
+2. The head (head_model.py, official key names) learns by EAGLE-3's training-time test,
    unrolled --unroll steps the way Eagle3Drafter drafts: loss = KL(target || head) at every
    step (over the draft vocabulary, renormalised, when --draft-vocab < V), weighted 0.8**s.
 3. AdamW with warm-up and a cosine, sized to fill --minutes (or --max-steps); then held-out
@@ -23,17 +23,19 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
 
 from rheo_engine.config import ModelConfig
+from rheo_engine.io.tokenizer import Tokenizer
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.eagle3 import DEFAULT_ROPE_THETA, HeadConfig, head_config_json
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.tokenizer import Tokenizer
-from rheo_engine.train_checkpoint import Budget, atomic_folder
-from rheo_engine.train_head_data import (
+from rheo_engine.train.checkpoint import Budget, atomic_folder
+from rheo_engine.train.head_config import _DATA_FIELDS, _STORE, HeadTrainConfig
+from rheo_engine.train.head_data import (
     HeadData,
     corpus_files,
     corpus_prompts,
@@ -41,55 +43,8 @@ from rheo_engine.train_head_data import (
     generate_data,  # fmt: skip
     resolve_feature_layers,
 )
-from rheo_engine.train_head_loop import Trainer, check_resumable, jsonable
-from rheo_engine.train_head_model import TrainableHead  # noqa: F401  (re-exported)
-from rheo_engine.weights import load_safetensors, save_safetensors
-
-_STORE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-# The settings that decide the generated data (kept in --work/data.json for reuse).
-_DATA_FIELDS = ("feature_layers", "samples", "gen_len", "prompt_len", "seed", "store_dtype")
-
-
-@dataclass(frozen=True)
-class HeadTrainConfig:
-    """Everything that determines the trained head (a resumed run must match it exactly)."""
-
-    feature_layers: tuple[int, ...] = ()  # target layers fused by fc; () = EAGLE's (2, N//2, N-3)
-    draft_vocab: int = 0  # Vd; 0 = the full target vocabulary (d2t all zeros)
-    unroll: int = 4  # U, training-time-test steps (tree levels 0..U-1)
-    samples: int = 1536  # sequences generated (1/16 held out, at least 1)
-    gen_len: int = 224  # tokens sampled per sequence
-    prompt_len: int = 16  # tokens per corpus prompt, BOS included (1 without --corpus)
-    batch: int = 16  # sequences per step
-    lr: float = 4e-3  # peak learning rate
-    min_lr_ratio: float = 0.05  # the cosine ends at lr * min_lr_ratio
-    warmup: int = 40  # linear warm-up steps
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5  # as EAGLE-3
-    step_decay: float = 0.8  # loss weight of unroll step s = step_decay ** s (EAGLE-3)
-    max_steps: int = 0  # 0 = as many as --minutes allows
-    seed: int = 0
-    store_dtype: str = "float16"  # features and states in memory (bfloat16 for wide ranges)
-
-    def __post_init__(self) -> None:
-        for name in ("unroll", "samples", "gen_len", "prompt_len", "batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        if self.samples < 2:
-            raise ValueError(f"--samples={self.samples} must be >= 2 (one is held out)")
-        if min(self.draft_vocab, self.warmup, self.max_steps) < 0:
-            raise ValueError("--draft-vocab, --warmup and --max-steps must be >= 0")
-        if not (self.lr > 0 and 0 < self.min_lr_ratio <= 1 and self.grad_clip > 0):
-            raise ValueError(
-                f"need --lr={self.lr} > 0, 0 < --min-lr-ratio={self.min_lr_ratio} <= 1 and "
-                f"--grad-clip={self.grad_clip} > 0"
-            )
-        if self.store_dtype not in _STORE:
-            raise ValueError(f"--store-dtype={self.store_dtype!r} is not one of {list(_STORE)}")
-
-    @property
-    def val_samples(self) -> int:
-        return max(1, self.samples // 16)
+from rheo_engine.train.head_loop import Trainer, check_resumable, jsonable
+from rheo_engine.train.head_model import TrainableHead  # noqa: F401  (re-exported)
 
 
 def head_config(t: ModelConfig, cfg: HeadTrainConfig) -> HeadConfig:
@@ -282,7 +237,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rheo_engine.train_head", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rheo_engine.train.head", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--target", required=True, type=Path, help="HF Llama target directory")
     p.add_argument("--out", required=True, type=Path, help="new head directory (must not exist)")

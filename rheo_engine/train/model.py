@@ -1,4 +1,4 @@
-"""The trainable Llama of train_target.py: HF LlamaForCausalLM numerics as a torch nn.Module.
+"""The trainable Llama of target.py: HF LlamaForCausalLM numerics as a torch nn.Module.
 
 Parameter names are HF's (``model.layers.{i}.self_attn.q_proj.weight`` ...), so the state dict
 is the checkpoint. The embedding is tied to the output projection (no ``lm_head.weight``): at

@@ -1,4 +1,4 @@
-"""Training data of train_head.py: the target's own continuations, sampled at T = 1.
+"""Training data of head.py: the target's own continuations, sampled at T = 1.
 
 Each sequence is a prompt (BOS alone, or BOS + a random short span of a text corpus) followed
 by ``gen_len`` tokens the target sampled itself, generated in batches with LlamaModel + KVCache.
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from rheo_engine.config import ModelConfig
-from rheo_engine.corpus import load_corpus, read_text, text_files
+from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.tokenizer import Tokenizer
+from rheo_engine.train.corpus import load_corpus, read_text, text_files
 
 SPAN_CHARS = 400  # characters read around a random corpus offset; enough for any prompt length
 
@@ -47,7 +47,7 @@ def resolve_feature_layers(target: ModelConfig, given: tuple[int, ...] | None) -
 
 def corpus_files(corpus_dir: str | Path) -> list[Path]:
     """The non-empty UTF-8 text files under ``corpus_dir`` (checked before any work); the word
-    ``stdlib`` means the default target's training split (rheo_engine.corpus)."""
+    ``stdlib`` means the default target's training split (rheo_engine.train.corpus)."""
     if str(corpus_dir) == STDLIB:
         return list(load_corpus().train)
     root = Path(corpus_dir)

@@ -30,7 +30,7 @@ def _shard_files(d: Path) -> list[Path]:
         raise FileNotFoundError(
             f"{d} has neither {_SINGLE} nor {_INDEX} (found {found or 'no weight files'}); "
             "save the model with safetensors (save_pretrained(..., safe_serialization=True)) or "
-            "convert a llama2.c checkpoint with `python -m rheo_engine.convert llama2c`"
+            "convert a llama2.c checkpoint with `python -m rheo_engine.io.convert llama2c`"
         )
     try:
         weight_map = json.loads(index.read_text())["weight_map"]

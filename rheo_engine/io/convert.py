@@ -1,7 +1,7 @@
 """Checkpoint converters to the HF Llama layout the engine loads.
 
-    python -m rheo_engine.convert llama2c MODEL.bin TOKENIZER.model OUT_DIR
-    python -m rheo_engine.convert eagle3 SRC_DIR OUT_DIR
+    python -m rheo_engine.io.convert llama2c MODEL.bin TOKENIZER.model OUT_DIR
+    python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR
 
 ``llama2c`` reads a llama2.c "version 0" (legacy) checkpoint such as stories260K.bin
 (shared/fixtures/llama2c/README.md) and writes config.json, model.safetensors and
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rheo_engine.weights import save_safetensors
+from rheo_engine.io.weights import save_safetensors
 
 _HEADER = struct.Struct(
     "<7i"
@@ -164,7 +164,7 @@ def convert_llama2c(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m rheo_engine.convert",
+        prog="python -m rheo_engine.io.convert",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "llama2c":
         out = convert_llama2c(args.model_bin, args.tokenizer_model, args.out_dir)
     else:
-        from rheo_engine.convert_eagle3 import convert_eagle3  # its own module (EAGLE engineer)
+        from rheo_engine.io.convert_eagle3 import convert_eagle3  # its own module (EAGLE engineer)
 
         out = convert_eagle3(args.src_dir, args.out_dir)
     print(f"wrote {out}")

@@ -1,6 +1,6 @@
 """Train the project's default target from scratch: a small Llama on Python's own source.
 
-    python -m rheo_engine.train_target --out weights/target
+    python -m rheo_engine.train.target --out weights/target
 
 1. A sentencepiece BPE tokenizer is trained on the training split (byte fallback, so any text
    encodes; newlines are kept and become the byte piece <0x0A>).
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from rheo_engine.corpus import load_corpus
-from rheo_engine.train_checkpoint import Budget, atomic_folder, load_checkpoint, save_checkpoint
-from rheo_engine.train_data import TokenStreams, build_streams, train_tokenizer
-from rheo_engine.train_model import TinyLlama
-from rheo_engine.weights import save_safetensors
+from rheo_engine.io.weights import save_safetensors
+from rheo_engine.train.checkpoint import Budget, atomic_folder, load_checkpoint, save_checkpoint
+from rheo_engine.train.corpus import load_corpus
+from rheo_engine.train.data import TokenStreams, build_streams, train_tokenizer
+from rheo_engine.train.model import TinyLlama
 
 _STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -332,7 +332,7 @@ def train(cfg: TrainConfig, opts: RunOptions) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = TrainConfig()
     p = argparse.ArgumentParser(
-        prog="python -m rheo_engine.train_target",
+        prog="python -m rheo_engine.train.target",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

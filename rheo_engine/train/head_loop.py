@@ -1,4 +1,4 @@
-"""The optimisation loop of train_head.py: loss, schedule, evaluation, checkpoints.
+"""The optimisation loop of head.py: loss, schedule, evaluation, checkpoints.
 
 Loss of unroll step s at index p: KL(p_target || q_head) of token p+2+s, where p_target is the
 target's softmax at that position (its logits recomputed from the stored final state), restricted
@@ -15,20 +15,17 @@ import os
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.eagle3 import HeadConfig, init_head_weights
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.train_checkpoint import Budget
-from rheo_engine.train_head_data import HeadData
-from rheo_engine.train_head_model import TrainableHead
-from rheo_engine.weights import load_safetensors, save_safetensors
-
-if TYPE_CHECKING:
-    from rheo_engine.train_head import HeadTrainConfig
+from rheo_engine.train.checkpoint import Budget
+from rheo_engine.train.head_config import HeadTrainConfig
+from rheo_engine.train.head_data import HeadData
+from rheo_engine.train.head_model import TrainableHead
 
 PLAN_AT = (10, 50)  # steps at which the schedule's length is (re)fixed from the measured speed
 CHECKPOINT_SECONDS = 120.0  # between checkpoints in --work

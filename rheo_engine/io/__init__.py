@@ -1,0 +1,1 @@
+"""Model I/O: safetensors weights, tokenizers and chat templates, checkpoint converters."""
