@@ -4,12 +4,33 @@
 #   bash rheo.sh test       set everything up, then run the whole test suite
 # Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh setup`.
 # Setting up = torch (the CPU wheel where there is no GPU), numpy, safetensors, sentencepiece,
-# tiktoken and ninja (plus pytest and transformers for the tests), and the
-# rheo_engine._C extension, rebuilt only when a source under csrc/ or bindings/ changed.
+# tiktoken and ninja (plus pytest and transformers for the tests), at the versions pinned in
+# constraints.txt, and the rheo_engine._C extension, rebuilt only when a source under csrc/ or
+# bindings/ changed.
 # PYTHON picks the interpreter (default python3); extra arguments go to the job.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY=${PYTHON:-python3}
+
+# Exit 0 when every package of the group ("runtime" or "test") in constraints.txt is installed
+# at its pinned version.
+pinned_ok() {
+  "$PY" - "$1" <<'PYEOF'
+import sys
+from importlib import metadata
+groups = {"runtime": ["numpy", "safetensors", "sentencepiece", "tiktoken", "ninja", "setuptools",
+                      "wheel"],
+          "test": ["pytest", "transformers", "tokenizers", "huggingface_hub"]}
+pins = dict(line.split("#")[0].strip().split("==") for line in open("constraints.txt")
+            if "==" in line.split("#")[0])
+def have(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+sys.exit(any(have(n) != pins[n] for n in groups[sys.argv[1]]))
+PYEOF
+}
 
 setup() {
   "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
@@ -24,8 +45,10 @@ setup() {
         "$PY" -m pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
     fi
   fi
-  "$PY" -c 'import numpy, safetensors, sentencepiece, tiktoken, ninja, setuptools' 2>/dev/null ||
-    "$PY" -m pip install -q numpy safetensors sentencepiece tiktoken ninja setuptools wheel
+  # Every pinned package at its pinned version (constraints.txt), installed only when one differs.
+  pinned_ok runtime ||
+    "$PY" -m pip install -q -c constraints.txt numpy safetensors sentencepiece tiktoken ninja \
+      setuptools wheel
   if "$PY" - <<'PYEOF'
 import glob, os, sys
 so = glob.glob("rheo_engine/_C*.so")
@@ -50,9 +73,11 @@ case "$job" in
     exec "$PY" -m rheo_engine.generate "$@" ;;
   demo) exec "$PY" -m rheo_engine.demo "$@" ;;
   test)
-    # Test-only dependencies: pytest, and HF transformers as the reference Llama.
-    "$PY" -c 'import pytest, transformers' 2>/dev/null || "$PY" -m pip install -q pytest transformers
-    exec "$PY" -m pytest -q tests "$@" ;;
+    # Test-only dependencies at their pinned versions: pytest, and HF transformers as the
+    # reference Llama. -rs lists the reason of every skipped test in the summary.
+    pinned_ok test ||
+      "$PY" -m pip install -q -c constraints.txt pytest transformers tokenizers huggingface_hub
+    exec "$PY" -m pytest -q -rs tests "$@" ;;
   setup) "$PY" -m rheo_engine.info ;;
   *) echo "usage: bash rheo.sh [generate|test|demo|setup] [args...]" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ model card of the default run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from rheo_engine.io.weights import save_safetensors
+from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.train.checkpoint import Budget, atomic_folder, load_checkpoint, save_checkpoint
 from rheo_engine.train.corpus import load_corpus
 from rheo_engine.train.data import TokenStreams, build_streams, train_tokenizer
@@ -161,6 +162,7 @@ class RunOptions:
     threads: int = 2
     log_every: int = 10  # steps between progress lines
     eval_minutes: float = 5.0  # between validation checks (and checkpoints)
+    init_from: Path | None = None  # continue training this HF target (weights + tokenizer)
 
     def __post_init__(self) -> None:
         for name in ("minutes", "threads", "log_every", "eval_minutes"):
@@ -254,6 +256,33 @@ def export(
         (tmp / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
+_ARCH_FIELDS = ("vocab", "dim", "layers", "heads", "kv_heads", "hidden")
+
+
+def load_init(model: TinyLlama, cfg: TrainConfig, init: Path) -> dict:
+    """Load the weights of the target directory ``init`` into ``model`` (fp32), checking that its
+    architecture is ``cfg``'s (the window, and so the context, may grow); returns its identity
+    for train_log.json."""
+    hf = json.loads((init / "config.json").read_text())
+    theirs = dict(zip(_ARCH_FIELDS, (hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"],
+                  hf["num_attention_heads"], hf["num_key_value_heads"],
+                  hf["intermediate_size"]), strict=True))  # fmt: skip
+    diff = {k: (v, getattr(cfg, k)) for k, v in theirs.items() if v != getattr(cfg, k)}
+    if diff:
+        raise ValueError(
+            f"--init-from {init} has another architecture {{name: (its, given)}} = {diff}; "
+            "pass its values"
+        )
+    weights = load_safetensors(init / "model.safetensors")
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    digest = hashlib.sha256((init / "model.safetensors").read_bytes()).hexdigest()
+    prior = json.loads((init / "train_log.json").read_text()) if (
+        init / "train_log.json").is_file() else {}  # fmt: skip
+    return {"path": str(init), "model_sha256": digest, "context": hf["max_position_embeddings"],
+            "steps": prior.get("step"), "tokens_seen": prior.get("tokens_seen"),
+            "val_loss": prior.get("val_loss")}  # fmt: skip
+
+
 def check_paths(out: Path, work: Path | None, resume: bool) -> None:
     """Refuse, before any work, what would clobber a model or a checkpoint."""
     if out.exists():
@@ -291,10 +320,13 @@ def train(cfg: TrainConfig, opts: RunOptions) -> dict:
         if opts.work is not None:
             opts.work.mkdir(parents=True, exist_ok=True)
         tok_path = (opts.work or Path(scratch)) / "tokenizer.model"
-        if not opts.resume:
+        if opts.init_from is not None and not opts.resume:
+            shutil.copyfile(opts.init_from / "tokenizer.model", tok_path)
+        elif not opts.resume:
             train_tokenizer(corpus, cfg.vocab, cfg.tokenizer_lines, cfg.seed, tok_path)
         data = build_streams(corpus, tok_path, cfg.seq)
         model, gen = new_model(cfg), torch.Generator().manual_seed(cfg.seed)
+        init = load_init(model, cfg, opts.init_from) if opts.init_from is not None else None
         opt = new_optimizer(model, cfg)
         progress = {"step": 0, "tokens_seen": 0, "train_loss": None, "evals": []}
         if opts.resume:
@@ -315,6 +347,7 @@ def train(cfg: TrainConfig, opts: RunOptions) -> dict:
             "torch": torch.__version__,
             "threads": opts.threads,
             "resumed_from_step": start_step if opts.resume else None,
+            "init_from": init,
             "stopped_by": stop_reason(progress["step"], cfg, opts),
             **progress,
             # Taken before the final evaluation and write (seconds more, printed below).
@@ -345,6 +378,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--eval-minutes", type=float, default=5.0, help="minutes between evaluations")
+    p.add_argument("--init-from", type=Path,
+                   help="continue training this target directory (its weights and tokenizer; "
+                   "the window --seq may be longer than its context)")  # fmt: skip
     for f in fields(TrainConfig):
         p.add_argument(
             f"--{f.name.replace('_', '-')}",
