@@ -169,8 +169,11 @@ def train_head(target_dir: str | Path, out: str | Path, cfg: HeadTrainConfig | N
                corpus: str | Path | None = None, work: str | Path | None = None,
                resume: bool = False, minutes: float = 15.0, threads: int | None = None,
                device: str | None = None, gen_batch: int = 256,
-               log_every: int = 25) -> dict:  # fmt: skip
-    """Run the whole recipe (module docstring); returns train_log.json's contents."""
+               log_every: int = 25, init_from: str | Path | None = None) -> dict:  # fmt: skip
+    """Run the whole recipe (module docstring); returns train_log.json's contents.
+
+    ``init_from``: a head directory of the same shape to start from instead of a fresh
+    initialisation (fine-tuning a head to a target that was trained further)."""
     budget = Budget(time.perf_counter(), minutes * 60)
     target_dir, out = Path(target_dir), Path(out)
     work, corpus = (None if p is None else Path(p) for p in (work, corpus))
@@ -181,18 +184,21 @@ def train_head(target_dir: str | Path, out: str | Path, cfg: HeadTrainConfig | N
     if corpus is not None:
         corpus_files(corpus)  # a folder without text fails here, before any work
     hcfg = head_config(t, cfg)
+    init_from = None if init_from is None else Path(init_from)
+    if init_from is not None:
+        check_init(init_from, hcfg)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads or min(8, os.cpu_count() or 1))
     try:
         return _run(target_dir, out, cfg, hcfg, corpus, work, resume, budget,
-                    device or default_device(), gen_batch, log_every)  # fmt: skip
+                    device or default_device(), gen_batch, log_every, init_from)  # fmt: skip
     finally:
         torch.set_num_threads(threads_before)  # a library call leaves the process as it was
 
 
 def _run(target_dir: Path, out: Path, cfg: HeadTrainConfig, hcfg: HeadConfig,
          corpus: Path | None, work: Path | None, resume: bool, budget: Budget, device: str,
-         gen_batch: int, log_every: int) -> dict:  # fmt: skip
+         gen_batch: int, log_every: int, init_from: Path | None) -> dict:  # fmt: skip
     """Data, training, evaluation and export, after every input was checked."""
     torch.manual_seed(cfg.seed)
     target = LlamaModel.from_pretrained(target_dir, device=device)
@@ -203,6 +209,10 @@ def _run(target_dir: Path, out: Path, cfg: HeadTrainConfig, hcfg: HeadConfig,
     train, val = data.split(cfg.val_samples)
     used = draft_vocabulary(train, t.vocab_size, cfg.draft_vocab)
     trainer = Trainer(cfg, hcfg, target, used, train, val, device)
+    if init_from is not None and not resume:
+        w = load_safetensors(init_from / "model.safetensors")
+        trainer.model.load_state_dict({k: v.float() for k, v in w.items()
+                                       if k not in ("d2t", "t2d")})  # fmt: skip
     if resume:
         trainer.load(work)
     resumed_from = trainer.progress["step"] if resume else None
@@ -218,6 +228,9 @@ def _run(target_dir: Path, out: Path, cfg: HeadTrainConfig, hcfg: HeadConfig,
                  "gen_len": cfg.gen_len},
         "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": sys.version.split()[0], "resumed_from_step": resumed_from,
+        "init_from": None if init_from is None else {
+            "path": str(init_from), "model_sha256": hashlib.sha256(
+                (init_from / "model.safetensors").read_bytes()).hexdigest()},
         **trainer.progress,
     }  # fmt: skip
     log["val"] = trainer.evaluate()
@@ -227,6 +240,34 @@ def _run(target_dir: Path, out: Path, cfg: HeadTrainConfig, hcfg: HeadConfig,
     print(f"done: step {log['step']}, val acc per step {acc}, {budget.elapsed() / 60:.1f} min "
           f"-> {out}", flush=True)  # fmt: skip
     return log
+
+
+def check_init(init: Path, hcfg: HeadConfig) -> None:
+    """--init-from must be a head of exactly the shape this run trains (same fields in its
+    config.json: widths, vocabularies, feature layers)."""
+    f = init / "config.json"
+    if not f.is_file() or not (init / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"--init-from {init} is not a head directory (config.json + model.safetensors); "
+            "pass the folder of a head trained by train.head"
+        )
+    theirs, ours = json.loads(f.read_text()), head_config_json(hcfg)
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "draft_vocab_size",
+        "eagle_aux_hidden_state_layer_ids",
+    )
+    diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
+    if diff:
+        raise ValueError(
+            f"--init-from {init} has another shape {{field: (its, this run's)}} = {diff}; "
+            "pass a head of this target's shape or train from scratch"
+        )
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -255,6 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: cores, at most 8)")
     p.add_argument("--gen-batch", type=int, default=256, help="sequences generated at once")
     p.add_argument("--log-every", type=int, default=25, help="steps between progress lines")
+    p.add_argument("--init-from", type=Path, help="start from this head's weights (fine-tune)")
     d = HeadTrainConfig()
     for f in fields(HeadTrainConfig):
         if f.name != "feature_layers":
@@ -270,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     values = {name: getattr(a, name) for name in names}
     cfg = HeadTrainConfig(feature_layers=a.feature_layers or (), **values)
     return train_head(a.target, a.out, cfg, a.corpus, a.work, a.resume, a.minutes, a.threads,
-                      a.device, a.gen_batch, a.log_every)  # fmt: skip
+                      a.device, a.gen_batch, a.log_every, a.init_from)  # fmt: skip
 
 
 if __name__ == "__main__":

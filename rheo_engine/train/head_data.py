@@ -23,7 +23,9 @@ from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.train.corpus import load_corpus, read_text, text_files
 
-SPAN_CHARS = 400  # characters read around a random corpus offset; enough for any prompt length
+# Characters read at a random corpus offset: 400, or 8 per prompt token for long prompts (the
+# stdlib averages 3.3 bytes a token, so either is enough text for the prompt).
+SPAN_CHARS, CHARS_PER_TOKEN = 400, 8
 
 
 def resolve_feature_layers(target: ModelConfig, given: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -73,7 +75,7 @@ def corpus_prompts(files: list[Path], tok: Tokenizer, n: int, length: int,
         start = rng.randrange(len(text))
         # Start at a word boundary, so the first token is one the tokenizer would produce.
         space = text.find(" ", start)
-        span = text[space + 1 if space >= 0 else 0 :][:SPAN_CHARS]
+        span = text[space + 1 if space >= 0 else 0 :][: max(SPAN_CHARS, CHARS_PER_TOKEN * length)]
         ids = tok.encode(span, bos=True)[:length]
         if len(ids) == length:
             prompts.append(ids)
