@@ -25,23 +25,30 @@ from typing import Any
 
 import torch
 from common import (
+    conditions,
+    conditions_line,
+    markdown_table,
+    run_interleaved,
+    summarize,
+    write_outputs,
+)
+from inputs import (
     ROOT,
+    ArgumentParser,
+    BadInput,
     add_model_args,
     add_prompt_args,
     add_tree_args,
-    conditions,
-    conditions_line,
-    default_prompt_kind,
+    at_least,
+    check_unique,
+    checking,
+    cli,
+    cut_line,
+    fit_prompts,
     load_engine,
-    load_prompts,
-    markdown_table,
-    prompt_ids,
-    prompt_room,
+    prompt_texts,
     resolve_pair,
-    run_interleaved,
-    summarize,
     tree_options,
-    write_outputs,
 )
 
 import rheo_engine.engine as engine_module
@@ -143,8 +150,10 @@ def results_m(args, summary: dict) -> dict[str, Any]:
         "m": list(args.leads_list),
         "rheo_tau": [avg[f"rheo m={m}"]["tau_mean"] for m in args.leads_list],
         "rheo_tau_std": [avg[f"rheo m={m}"]["tau_std"] for m in args.leads_list],
+        "rheo_tokens": [avg[f"rheo m={m}"]["tokens"] for m in args.leads_list],
         "topk_tau": avg["topk"]["tau_mean"],
         "topk_tau_std": avg["topk"]["tau_std"],
+        "topk_tokens": avg["topk"]["tokens"],
     }
 
 
@@ -154,6 +163,7 @@ def results_T(args, summary: dict) -> dict[str, Any]:
         avg = [summary[f"{method} T={T:g}"]["average"] for T in args.temperatures]
         out[f"{method}_tau"] = [a["tau_mean"] for a in avg]
         out[f"{method}_tau_std"] = [a["tau_std"] for a in avg]
+        out[f"{method}_tokens"] = [a["tokens"] for a in avg]
     return out
 
 
@@ -163,6 +173,7 @@ def results_S(records, summary: dict, coverage: Coverage, sizes: dict[str, int])
         "support": list(sizes.values()),
         "tau": [],
         "tau_std": [],
+        "tokens": [],
         "coverage": [],
         "draft_ms_per_step": [],
     }
@@ -171,26 +182,34 @@ def results_S(records, summary: dict, coverage: Coverage, sizes: dict[str, int])
         mine = [r for r in records if r.label == label]
         out["tau"].append(summary[label]["average"]["tau_mean"])
         out["tau_std"].append(summary[label]["average"]["tau_std"])
+        out["tokens"].append(summary[label]["average"]["tokens"])
         out["coverage"].append(coverage.mean(label))
         steps = sum(r.steps for r in mine)
         out["draft_ms_per_step"].append(1e3 * sum(r.draft_s for r in mine) / max(1, steps))
     return out
 
 
+def tau_cell(tau: float, std: float, tokens: int) -> str:
+    """tau ± its std over seeds, with the tokens emitted it was measured over."""
+    return f"{tau:.2f} ± {std:.2f} ({tokens} tokens)"
+
+
 def markdown(which: str, res: dict[str, Any]) -> str:
     if which == "m":
         rows = [
-            [str(m), f"{t:.2f} ± {s:.2f}"]
-            for m, t, s in zip(res["m"], res["rheo_tau"], res["rheo_tau_std"], strict=True)
+            [str(m), tau_cell(*cell)]
+            for m, *cell in zip(
+                res["m"], res["rheo_tau"], res["rheo_tau_std"], res["rheo_tokens"], strict=True
+            )
         ]
-        rows.append(["topk", f"{res['topk_tau']:.2f} ± {res['topk_tau_std']:.2f}"])
+        rows.append(["topk", tau_cell(res["topk_tau"], res["topk_tau_std"], res["topk_tokens"])])
         return markdown_table(["m (leads)", "rheo τ"], rows)
     if which == "T":
         rows = [
             [
                 f"{T:g}",
                 *(
-                    f"{res[m + '_tau'][i]:.2f} ± {res[m + '_tau_std'][i]:.2f}"
+                    tau_cell(res[m + "_tau"][i], res[m + "_tau_std"][i], res[m + "_tokens"][i])
                     for m in ("topk", "rrsw", "rheo")
                 ),
             ]
@@ -198,12 +217,13 @@ def markdown(which: str, res: dict[str, Any]) -> str:
         ]
         return markdown_table(["T", "topk τ", "rrsw τ", "rheo τ"], rows)
     rows = [
-        [name, f"{100 * c:.1f}%", f"{t:.2f} ± {s:.2f}", f"{ms:.3f}"]
-        for name, c, t, s, ms in zip(
+        [name, f"{100 * c:.1f}%", tau_cell(t, s, n), f"{ms:.3f}"]
+        for name, c, t, s, n, ms in zip(
             res["S"],
             res["coverage"],
             res["tau"],
             res["tau_std"],
+            res["tokens"],
             res["draft_ms_per_step"],
             strict=True,
         )
@@ -289,55 +309,64 @@ def plot(which: str, res: dict[str, Any], path: Path, title: str) -> Path | None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
     add_prompt_args(p, default_sets=("mt_bench",))
     p.add_argument("--which", nargs="+", default=list(ABLATIONS), choices=ABLATIONS)
-    p.add_argument("--seeds", type=int, default=1, help="runs over all questions (default 1)")
-    p.add_argument("--temperature", type=float, default=1.0, help="T of the m and S ablations")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--seeds", type=at_least(1), default=1, help="runs over all questions (default 1)"
+    )
+    p.add_argument(
+        "--temperature", type=at_least(0.0, float), default=1.0, help="T of the m and S ablations"
+    )
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     add_tree_args(p)  # --leads: m of the T and S ablations; --support: S of the m and T ones
-    p.add_argument("--leads-list", type=int, nargs="+", default=list(LEADS))
-    p.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
+    p.add_argument("--leads-list", type=at_least(0), nargs="+", default=list(LEADS))
+    p.add_argument(
+        "--temperatures", type=at_least(0.0, float), nargs="+", default=list(TEMPERATURES)
+    )
     p.add_argument(
         "--supports",
-        type=int,
+        type=at_least(1),
         nargs="+",
         default=list(SUPPORTS),
         help="plus the full draft vocabulary",
     )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    args = p.parse_args(argv)
-    if args.seeds < 1 or args.max_new_tokens < 1 or args.threads < 1:
-        p.error("--seeds, --max-new-tokens and --threads must be >= 1")
-    return args
+    return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict[str, dict]:
     """Every chosen ablation; returns {which: payload}. Bad options fail before any generation."""
     torch.set_num_threads(args.threads)
-    kind = default_prompt_kind(args.pair, args.prompts)
-    texts = load_prompts(kind, args.sets, args.limit)
-    target, draft = resolve_pair(args.pair, args.target, args.draft)
-    engine = load_engine(target, draft, args.device, args.dtype)
-    tree = tree_options(args)
-    vocab = engine.head.cfg.draft_vocab_size
-    sizes = supports(args, vocab)
-    grids = {
-        "m": configs_m(args, tree),
-        "T": configs_T(args, tree),
-        "S": configs_S(args, tree, vocab),
-    }
-    for which in args.which:
-        for options in grids[which].values():
-            engine.request([1], 1, **options)  # raises on a bad leads/support/temperature
-    room = prompt_room(engine, args.max_new_tokens, args.total_tokens)
-    prompts = {
-        name: [prompt_ids(engine, t, args.chat, room)[0] for t in items]
-        for name, items in texts.items()
-    }
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    with checking():
+        kind, texts = prompt_texts(args)
+        for flag, values in (
+            ("--which", args.which),
+            ("--leads-list", args.leads_list),
+            ("--temperatures", args.temperatures),
+            ("--supports", args.supports),
+        ):
+            check_unique(values, flag)  # fmt: skip
+        out_dir = Path(args.out_dir)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise BadInput(f"--out-dir {out_dir} is a file; pass a folder")
+        target, draft = resolve_pair(args.pair, args.target, args.draft)
+        engine = load_engine(target, draft, args.device, args.dtype)
+        tree = tree_options(args)
+        vocab = engine.head.cfg.draft_vocab_size
+        sizes = supports(args, vocab)
+        grids = {
+            "m": configs_m(args, tree),
+            "T": configs_T(args, tree),
+            "S": configs_S(args, tree, vocab),
+        }
+        for which in args.which:
+            for options in grids[which].values():
+                engine.request([1], 1, **options)  # raises on a bad leads/support/temperature
+        prompts, fit = fit_prompts(engine, texts, args.chat, args.max_new_tokens, args.total_tokens)
+        out_dir.mkdir(parents=True, exist_ok=True)  # last: a run that fails its checks makes none
     payloads = {}
     for which in args.which:
         cond = conditions(
@@ -348,12 +377,15 @@ def run(args: argparse.Namespace) -> dict[str, dict]:
             prompts=kind,
             sets=list(prompts),
             limit=args.limit,
+            **fit,
             seeds=args.seeds,
             sweep={"m": args.leads_list, "T": args.temperatures, "S": list(sizes)}[which],
             T=args.temperature,
             max_new_tokens=args.max_new_tokens,
             **tree,
         )
+        print(conditions_line(cond), flush=True)
+        print(cut_line(fit, args.max_new_tokens), flush=True)
         payloads[which] = run_one(which, engine, prompts, grids[which], sizes, args, cond)
     return payloads
 
@@ -368,7 +400,6 @@ def run_one(
     cond: dict[str, Any],
 ) -> dict[str, Any]:
     """One ablation: run its grid interleaved, then write JSON, markdown and the plot."""
-    print(conditions_line(cond), flush=True)
     coverage = Coverage()
 
     def around(label: str):
@@ -401,4 +432,4 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main, sys.argv[1:])

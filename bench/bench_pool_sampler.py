@@ -7,12 +7,12 @@ outputs first, then times both. One CSV row per case.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import time
 
 import torch
+from inputs import ArgumentParser
 
 from rheo_engine import kernels
 
@@ -74,7 +74,7 @@ def git_commit() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     opts = parser.parse_args()
     reps = 5 if opts.quick else 30

@@ -10,12 +10,12 @@ parents, depth, mask and paths with gather/scatter. Every case is first checked 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import time
 
 import torch
+from inputs import ArgumentParser, at_least
 
 from rheo_engine import kernels, reference
 
@@ -131,12 +131,14 @@ def median_us(fn, reps: int, device: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     gpu = torch.cuda.is_available() and kernels.has_cuda()
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--reps", type=at_least(1), default=200)
     a = ap.parse_args()
+    if a.device == "cuda" and not gpu:
+        ap.error("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C; use cpu")
     reps = 20 if a.quick else a.reps
     dev = a.device
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"

@@ -9,7 +9,6 @@ of K/V actually read (2 * B * (prefix_len + N) * Hkv * D * element size per call
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import time
@@ -17,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from inputs import ArgumentParser
 
 from rheo_engine import kernels, reference
 
@@ -100,13 +100,13 @@ def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not (torch.cuda.is_available() and kernels.has_cuda()):
-        raise SystemExit("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C")
+        parser.error("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C; use cpu")
     prefixes = [128, 1024] if args.quick else [128, 1024, 4096]
     reps = 5 if args.quick else (50 if device.type == "cpu" else 200)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -10,12 +10,12 @@ Usage: python bench/bench_verification.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import time
 
 import torch
+from inputs import ArgumentParser
 
 from rheo_engine import kernels, reference
 
@@ -107,7 +107,7 @@ def median_us(fn, reps):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     opt = ap.parse_args()
     reps = 5 if opt.quick else 20

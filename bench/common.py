@@ -1,8 +1,9 @@
 """Shared pieces of the end-to-end benches (e2e.py, table4.py, ablations.py).
 
-Model pairs and prompts, the conditions line (commit, hardware, versions), an interleaved runner
-that gives every configuration the same questions in rotating order (so machine drift hits all
-alike), the tau / tokens-per-second / speedup summary, and JSON / markdown output.
+The conditions line (commit, hardware, versions), an interleaved runner that gives every
+configuration the same questions in rotating order (so machine drift hits all alike), the tau /
+tokens / tokens-per-second / speedup summary, and JSON / markdown output. What the benches read
+(flags, pairs, question sets) and its checks are in inputs.py.
 """
 
 from __future__ import annotations
@@ -21,32 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from inputs import ROOT
 
 from rheo_engine import Engine, kernels
+from rheo_engine.engine import Generation
 
-ROOT = Path(__file__).resolve().parent.parent
-EAGLE_BENCH = ROOT.parent / "shared" / "data" / "eagle_bench"
-SETS: tuple[str, ...] = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 METHODS: tuple[str, ...] = ("ar", "topk", "rrsw", "rheo")
-PAIRS: dict[str, tuple[Path, Path]] = {
-    "default": (ROOT / "weights" / "default" / "target", ROOT / "weights" / "default" / "draft"),
-    "stories": (
-        ROOT / ".cache" / "stories260K" / "target",
-        ROOT / ".cache" / "stories260K" / "head",
-    ),
-}
-# stories260K knows only children's stories: the question sets are out of its domain.
-STORY_OPENINGS: tuple[str, ...] = (
-    "Once upon a time",
-    "Tom and Lily went to the park.",
-    "The little dog was sad because",
-    "One day, a girl named Sue found a",
-    "There was a big red ball in the",
-    "Ben wanted to fly like a bird.",
-    'Mom said, "Be careful with the',
-    "The sun was shining and the birds",
-)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --- conditions -----------------------------------------------------------------------------
@@ -106,97 +87,19 @@ def _short(v: Any) -> str:
     return str(v).replace(" ", "_")
 
 
-# --- models and prompts ---------------------------------------------------------------------
-
-
-def resolve_pair(pair: str, target: str | None, draft: str | None) -> tuple[Path, Path]:
-    """--pair names a known pair; --target/--draft override either half. Missing -> error."""
-    if pair not in PAIRS:
-        raise ValueError(
-            f"--pair {pair!r} is not one of {sorted(PAIRS)}; pick one or pass --target/--draft"
-        )
-    t, d = PAIRS[pair]
-    t, d = Path(target) if target else t, Path(draft) if draft else d
-    for path, what in ((t, "target"), (d, "draft head")):
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{what} directory {path} has no config.json; build it (weights/README.md, "
-                "python -m rheo_engine.io.convert llama2c / rheo_engine.train.head) or pass "
-                f"--{'target' if what == 'target' else 'draft'} DIR"
-            )
-    return t, d
-
-
-def load_engine(target: Path, draft: Path, device: str, dtype: str | None) -> Engine:
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: torch sees no CUDA device; use --device cpu")
-    return Engine.from_pretrained(
-        target, draft, device=device, dtype=None if dtype is None else DTYPES[dtype]
-    )
-
-
-def load_questions(name: str, limit: int | None = None) -> list[str]:
-    """The first turn of each question of eagle_bench/NAME (raw text), at most ``limit``."""
-    path = EAGLE_BENCH / name / "question.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"question set {path} not found; ../shared/data must sit beside the repo"
-        )
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return [json.loads(line)["turns"][0] for line in lines[:limit]]
-
-
-def load_prompts(kind: str, sets: list[str], limit: int | None) -> dict[str, list[str]]:
-    """{set name: prompts}: the question sets, or the single set "stories" of fixed openings."""
-    check_limit(limit)
-    if kind == "stories":
-        return {"stories": list(STORY_OPENINGS[:limit])}
-    if kind != "questions":
-        raise ValueError(f"--prompts {kind!r} must be 'questions' or 'stories'")
-    bad = [s for s in sets if s not in SETS]
-    if bad or not sets:
-        raise ValueError(f"--sets {bad or sets} must be a non-empty subset of {list(SETS)}")
-    return {s: load_questions(s, limit) for s in sets}
-
-
-def check_limit(limit: int | None) -> None:
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit {limit} must be >= 1 (questions per set)")
-
-
-def default_prompt_kind(pair: str, kind: str | None) -> str:
-    """stories prompts for the stories pair, questions otherwise, unless --prompts says."""
-    return kind if kind is not None else ("stories" if pair == "stories" else "questions")
-
-
-def prompt_ids(engine: Engine, text: str, chat: bool, room: int) -> tuple[list[int], bool]:
-    """Token ids of one prompt, cut on the left (BOS kept) to at most ``room`` tokens.
-
-    Long prompts (sum articles) exceed a small target's context; the tail of the prompt is what
-    the model continues, so the tail is kept. Returns (ids, whether it was cut).
-    """
-    tok = engine.tokenizer
-    ids = tok.encode_chat([text]) if chat else tok.encode(text, bos=True)
-    if len(ids) <= room:
-        return ids, False
-    return [ids[0]] + ids[len(ids) - room + 1 :], True
-
-
-def prompt_room(engine: Engine, max_new_tokens: int, total_tokens: int) -> int:
-    """Prompt tokens that leave space for max_new_tokens and the largest tree."""
-    context = engine.target.cfg.max_position_embeddings
-    room = context - max_new_tokens - total_tokens
-    if room < 2:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} + total_tokens={total_tokens} leave {room} prompt "
-            f"tokens in the target's context of {context}; lower --max-new-tokens"
-        )
-    return room
-
-
 # --- the interleaved runner -----------------------------------------------------------------
+
+
+def produced(gen: Generation) -> int:
+    """Tokens a generation produced: sum(accept_lengths), but no drafted token after an EOS or
+    beyond max_new_tokens (the walk accepts them; nobody gets them).
+
+    Until the engine's fix of Generation.accept_lengths lands, a step's length counts the whole
+    accepted path, stop or not (topk showed tau 3.00 over 0 tokens); the min with the tokens
+    returned (+1 for the EOS, which the target did produce) keeps tau true with either engine,
+    and is a no-op once the fix is in.
+    """
+    return min(sum(gen.accept_lengths), len(gen.token_ids) + (gen.stop_reason == "eos"))
 
 
 @dataclass
@@ -207,9 +110,9 @@ class Record:
     set: str
     question: int
     seed: int
-    new_tokens: int
-    emitted: int  # sum of accept lengths (tokens past a stop count: they cost no extra step)
-    steps: int
+    new_tokens: int  # tokens returned (a stop token is not one)
+    emitted: int  # tokens the target produced: produced(gen), tau's numerator
+    steps: int  # target forwards after the prefill, tau's denominator
     wall_s: float
     draft_s: float
     head_s: float
@@ -255,7 +158,7 @@ def run_interleaved(
                             q,
                             seed,
                             len(gen.token_ids),
-                            sum(gen.accept_lengths),
+                            produced(gen),
                             gen.steps,
                             gen.wall_s,
                             t.draft_s,
@@ -263,7 +166,7 @@ def run_interleaved(
                             t.target_s,
                         )
                     )
-                    taus[label] = gen.mean_accept_length
+                    taus[label] = produced(gen) / max(1, gen.steps)
                 done += 1
                 if progress:
                     _progress(done, total, start, f"{name} q{q} seed {seed}", taus)
@@ -296,7 +199,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def _totals(records: list[Record]) -> tuple[float, float]:
-    """(tau, tokens per second) of a group of generations: ratios of sums."""
+    """(tau, tokens per second) of a group of generations: ratios of sums (a short generation
+    weighs less than a long one, as it costs fewer target forwards)."""
     steps = sum(r.steps for r in records)
     wall = sum(r.wall_s for r in records)
     tau = sum(r.emitted for r in records) / steps if steps else math.nan
@@ -304,10 +208,11 @@ def _totals(records: list[Record]) -> tuple[float, float]:
 
 
 def summarize(records: list[Record], baseline: str | None = "ar") -> dict[str, dict[str, dict]]:
-    """{label: {set or "average": stats}}: tau mean/std over seeds, tokens/s, and speedup over
-    ``baseline`` measured per seed in the same run (absent when the baseline was not run).
+    """{label: {set or "average": stats}}: tau mean/std over seeds, the tokens emitted (all
+    seeds) that tau is measured over, tokens/s, and speedup over ``baseline`` measured per seed
+    in the same run (absent when the baseline was not run).
 
-    tau of one seed and set = accepted tokens / target forwards over its questions; "average"
+    tau of one seed and set = tokens produced / target forwards over its questions; "average"
     takes the mean of the per-set tau (as Table 2) and the tokens/s over all sets.
     """
     labels = list(dict.fromkeys(r.label for r in records))
@@ -327,6 +232,9 @@ def summarize(records: list[Record], baseline: str | None = "ar") -> dict[str, d
                 base = _totals([r for s in names for r in group[(baseline, s, seed)]])[1]
                 speedups.append(speed / base)
         out = dict(zip(("tau_mean", "tau_std"), mean_std(taus), strict=True))
+        out["tokens"] = sum(
+            r.new_tokens for s in names for seed in seeds for r in group[(label, s, seed)]
+        )
         out.update(zip(("tokens_per_s", "tokens_per_s_std"), mean_std(tps), strict=True))
         if speedups:
             out.update(zip(("speedup", "speedup_std"), mean_std(speedups), strict=True))
@@ -360,48 +268,3 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")
-
-
-def add_model_args(p: Any, default_pair: str = "default") -> None:
-    """--pair/--target/--draft/--device/--dtype/--threads, shared by every bench here."""
-    p.add_argument(
-        "--pair",
-        default=default_pair,
-        choices=sorted(PAIRS),
-        help="default: weights/default; stories: .cache/stories260K/{target,head}",
-    )
-    p.add_argument("--target", help="HF Llama target directory (overrides --pair)")
-    p.add_argument("--draft", help="EAGLE-3 head directory (overrides --pair)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the config's torch_dtype")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-
-
-def add_prompt_args(p: Any, default_sets: tuple[str, ...] = SETS) -> None:
-    p.add_argument(
-        "--prompts",
-        choices=["questions", "stories"],
-        help="eagle_bench questions, or fixed story openings (default: stories for "
-        "the stories pair, questions otherwise)",
-    )
-    p.add_argument("--sets", nargs="+", default=list(default_sets), help=f"of {' '.join(SETS)}")
-    p.add_argument("--limit", type=int, help="questions per set (default: all 80)")
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="wrap the first turn in the chat template (chat models; ours are base)",
-    )
-
-
-def add_tree_args(p: Any) -> None:
-    """The draft tree (TreeConfig); defaults are the paper's setting."""
-    p.add_argument("--topk", type=int, default=10, help="nodes expanded per level, K")
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--total-tokens", type=int, default=60)
-    p.add_argument("--leads", type=int, default=1, help="m, the rheostat")
-    p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
-
-
-def tree_options(args: Any) -> dict[str, int]:
-    keys = ("topk", "depth", "total_tokens", "leads", "support")
-    return {k: getattr(args, k) for k in keys}

@@ -3,12 +3,17 @@
     python bench/e2e.py                                    # weights/default pair, 6 sets x 80
     python bench/e2e.py --pair stories --limit 4 --seeds 1 --max-new-tokens 64
     python bench/e2e.py --sets mt_bench gsm8k --limit 10 --out e2e.json --md e2e.md
+    python bench/e2e.py --data DIR --sets humaneval      # sets in DIR/<set>/question.jsonl
 
+The question sets are read from --data (EAGLE's layout), by default ../shared/data/eagle_bench
+when it sits beside the repo; every bad input is one line on stderr and exit status 2.
 Per seed, every question of every set runs all methods back to back in a rotating order, so
 machine drift hits all methods alike; speedup is tokens/s over ar's in the same run and seed.
 Prompts are the raw first turn (our pairs are base models; --chat for a chat model), cut on the
-left to fit the target's context. At T = 1 the table is the analogue of the paper's Table 2.
-Prints the conditions line, a progress line per question (stderr), then the markdown table.
+left to fit the target's context (its max_position_embeddings less the new tokens and the tree;
+the output says how many were cut). tau = tokens produced / target forwards over all runs, next
+to the tokens emitted it was measured over. At T = 1 the table is the analogue of the paper's
+Table 2. Prints the conditions line, a progress line per question (stderr), then the markdown table.
 """
 
 from __future__ import annotations
@@ -19,46 +24,53 @@ import sys
 import torch
 from common import (
     METHODS,
+    conditions,
+    conditions_line,
+    markdown_table,
+    run_interleaved,
+    summarize,
+    write_outputs,
+)
+from inputs import (
+    ArgumentParser,
     add_model_args,
     add_prompt_args,
     add_tree_args,
-    conditions,
-    conditions_line,
-    default_prompt_kind,
+    at_least,
+    check_output,
+    check_unique,
+    checking,
+    cli,
+    cut_line,
+    fit_prompts,
     load_engine,
-    load_prompts,
-    markdown_table,
-    prompt_ids,
-    prompt_room,
+    prompt_texts,
     resolve_pair,
-    run_interleaved,
-    summarize,
     tree_options,
-    write_outputs,
 )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
     add_prompt_args(p)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--seeds", type=int, default=3, help="runs over all questions (default 3)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--seeds", type=at_least(1), default=3, help="runs over all questions (default 3)"
+    )
+    p.add_argument("--temperature", type=at_least(0.0, float), default=1.0, help="T; 0 = greedy")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     add_tree_args(p)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--md", help="write the markdown table here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    args = p.parse_args(argv)
-    if args.seeds < 1 or args.max_new_tokens < 1 or args.threads < 1:
-        p.error("--seeds, --max-new-tokens and --threads must be >= 1")
-    return args
+    return p.parse_args(argv)
 
 
 def table(summary: dict[str, dict[str, dict]], sets: list[str]) -> str:
-    """Table 2 layout: tau mean±std per set, then the average tau, tokens/s and speedup."""
-    headers = ["method", *(f"{s} τ" for s in sets), "avg τ", "tokens/s", "speedup"]
+    """Table 2 layout: tau mean±std per set, then the average tau, the tokens emitted it was
+    measured over (all questions and seeds), tokens/s and speedup."""
+    headers = ["method", *(f"{s} τ" for s in sets), "avg τ", "tokens", "tokens/s", "speedup"]
     rows = []
     for label, per_set in summary.items():
         avg = per_set["average"]
@@ -68,6 +80,7 @@ def table(summary: dict[str, dict[str, dict]], sets: list[str]) -> str:
                 label,
                 *(f"{per_set[s]['tau_mean']:.2f} ± {per_set[s]['tau_std']:.2f}" for s in sets),
                 f"{avg['tau_mean']:.2f} ± {avg['tau_std']:.2f}",
+                str(avg["tokens"]),
                 f"{avg['tokens_per_s']:.1f}",
                 speedup,
             ]
@@ -78,22 +91,19 @@ def table(summary: dict[str, dict[str, dict]], sets: list[str]) -> str:
 def run(args: argparse.Namespace) -> dict:
     """Load, check every argument, run, print, write; returns the JSON payload."""
     torch.set_num_threads(args.threads)
-    kind = default_prompt_kind(args.pair, args.prompts)
-    texts = load_prompts(kind, args.sets, args.limit)
-    target, draft = resolve_pair(args.pair, args.target, args.draft)
-    engine = load_engine(target, draft, args.device, args.dtype)
-    tree = tree_options(args)
-    configs = {m: dict(method=m, temperature=args.temperature, **tree) for m in args.methods}
-    for options in configs.values():  # bad tree/sampling options fail here, before any work
-        engine.request([1], 1, **options)
-    room = prompt_room(engine, args.max_new_tokens, args.total_tokens)
-    prompts, cut = {}, 0
-    for name, items in texts.items():
-        prompts[name] = []
-        for text in items:
-            ids, was_cut = prompt_ids(engine, text, args.chat, room)
-            prompts[name].append(ids)
-            cut += was_cut
+    with checking():  # every bad input fails here, before any generation
+        kind, texts = prompt_texts(args)
+        target, draft = resolve_pair(args.pair, args.target, args.draft)
+        engine = load_engine(target, draft, args.device, args.dtype)
+        tree = tree_options(args)
+        configs = {m: dict(method=m, temperature=args.temperature, **tree) for m in args.methods}
+        check_unique(args.methods, "--methods")
+        for options in configs.values():
+            engine.request([1], 1, **options)
+        tree_size = 1 if args.methods == ["ar"] else args.total_tokens
+        prompts, fit = fit_prompts(engine, texts, args.chat, args.max_new_tokens, tree_size)
+        check_output(args.out, "--out")  # last: a run that fails its checks makes no folder
+        check_output(args.md, "--md")
     cond = conditions(
         "e2e",
         args.device,
@@ -103,8 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         prompts=kind,
         sets=list(prompts),
         questions_per_set=[len(v) for v in prompts.values()],
-        prompts_cut_to=room,
-        prompts_cut=cut,
+        **fit,
         chat=args.chat,
         methods=args.methods,
         seeds=args.seeds,
@@ -113,6 +122,7 @@ def run(args: argparse.Namespace) -> dict:
         **tree,
     )
     print(conditions_line(cond), flush=True)
+    print(cut_line(fit, args.max_new_tokens), flush=True)
     records = run_interleaved(
         engine,
         prompts,
@@ -134,4 +144,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main, sys.argv[1:])

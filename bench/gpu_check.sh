@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # GPU check: build with CUDA, run the CUDA kernel tests, the kernel benches on the GPU and a
-# short end-to-end run of every method on the stories260K pair; summary table last.
+# short end-to-end run of every method on the stories260K pair (the embedded default pair when
+# neither .cache/stories260K nor the llama2c fixture is there, as on a fresh clone); summary last.
 #
 #     bash bench/gpu_check.sh LOGDIR
 #
-# Needs an NVIDIA GPU (exits 2 at once without one), nvcc, and ../shared/fixtures/llama2c when
-# .cache/stories260K/target is absent. Every step runs under `timeout`, and the steps share one
+# Needs an NVIDIA GPU (exits 2 at once without one) and nvcc. Every step runs under `timeout`, and the steps share one
 # deadline (BUDGET_S, default 470 s) so the whole check ends within 8 minutes; a step that no
 # longer fits is marked "skipped (time)". Full logs: LOGDIR/<step>.log; table: LOGDIR/summary.md.
 # Exit status: 0 when every step passed, 1 otherwise.
 #
 # Environment: PYTHON (default python), BUDGET_S, STORIES_TARGET / STORIES_HEAD (default
-# .cache/stories260K/{target,head}; a missing head is trained for HEAD_MINUTES=0.5 on the GPU),
+# .cache/stories260K/{target,head}; a missing target is converted from LLAMA2C (default
+# ../shared/fixtures/llama2c), a missing head is trained for HEAD_MINUTES=0.5 on the GPU),
 # GPU_CHECK_DRY=1 (print each step's command instead of running it: tests the script itself).
 set -u -o pipefail
 
@@ -111,9 +112,13 @@ fi
 # 4. a short e2e run of each method on the stories260K pair (on the GPU)
 TARGET=${STORIES_TARGET:-.cache/stories260K/target}
 HEAD=${STORIES_HEAD:-.cache/stories260K/head}
-LLAMA2C=../shared/fixtures/llama2c
+LLAMA2C=${LLAMA2C:-../shared/fixtures/llama2c}
+PAIR=stories260K
 READY=0
-if [ ! -f "$TARGET/config.json" ]; then
+if [ ! -f "$TARGET/config.json" ] && [ ! -f "$LLAMA2C/stories260K.bin" ]; then
+    # Nothing to make stories260K from (a fresh clone has no ../shared): the embedded pair.
+    TARGET=weights/default/target HEAD=weights/default/draft PAIR="default pair"
+elif [ ! -f "$TARGET/config.json" ]; then
     TARGET=$LOGDIR/work/stories260K
     rm -rf "$TARGET"
     step convert 60 "$PY" -m rheo_engine.io.convert llama2c "$LLAMA2C/stories260K.bin" \
@@ -146,7 +151,7 @@ fi
     done
     if [ -f "$LOGDIR/e2e.md" ]; then
         echo
-        echo "e2e (stories260K, --limit 2, 32 new tokens, cuda):"
+        echo "e2e ($PAIR, story openings, --limit 2, 32 new tokens, cuda):"
         echo
         cat "$LOGDIR/e2e.md"
     fi

@@ -2,6 +2,7 @@
 
     python bench/table4.py                                   # weights/default pair, MT-bench
     python bench/table4.py --pair stories --limit 4 --max-new-tokens 32 --out t4.json --md t4.md
+    python bench/table4.py --data DIR --sets humaneval --limit 4   # DIR/<set>/question.jsonl
 
 The paper's controlled setting: draft depth 1 and three slots (top-1, the sampled token, the best
 of the rest) = topk=3, leads=1, depth=1, total_tokens=4, so acceptance differs only by the
@@ -25,19 +26,20 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from common import (
+from common import conditions, conditions_line, markdown_table, write_outputs
+from inputs import (
+    ArgumentParser,
     add_model_args,
     add_prompt_args,
-    conditions,
-    conditions_line,
-    default_prompt_kind,
+    at_least,
+    check_output,
+    checking,
+    cli,
+    cut_line,
+    fit_prompts,
     load_engine,
-    load_prompts,
-    markdown_table,
-    prompt_ids,
-    prompt_room,
+    prompt_texts,
     resolve_pair,
-    write_outputs,
 )
 
 from rheo_engine import Engine, kernels
@@ -233,17 +235,25 @@ def node_numbers(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
     add_prompt_args(p, default_sets=("mt_bench",))
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=at_least(0.0, float), default=1.0, help="T > 0")
+    p.add_argument(
+        "--max-new-tokens", type=at_least(1), default=64, help="tokens generated per prompt"
+    )
     p.add_argument("--leads", type=int, default=1, help="m (the paper's setting: 1)")
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated sequences")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of the generated sequences")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--md", help="write the markdown table here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.temperature > 0:
+        p.error(
+            f"--temperature {args.temperature}: the depth-1 comparison needs T > 0 (at T = 0 "
+            "every method is greedy top-K); pass e.g. --temperature 1"
+        )
+    return args
 
 
 def table(means: dict[str, float], bound: float, thm3: float) -> str:
@@ -262,19 +272,42 @@ def table(means: dict[str, float], bound: float, thm3: float) -> str:
     return markdown_table(["verification", "acceptance", "upper bound", "gap to bound"], rows)
 
 
+def all_nodes(
+    engine: Engine, prompts: dict[str, list[list[int]]], args: argparse.Namespace
+) -> list[dict]:
+    """node_numbers at every context along the sequences ar generates from the prompts: the
+    last prompt token and each generated one."""
+    d2t = engine.head.draft_to_target
+    nodes: list[dict] = []
+    for name, items in prompts.items():
+        for q, ids in enumerate(items):
+            gen = engine.generate(
+                ids, args.max_new_tokens, method="ar", temperature=args.temperature,
+                seed=args.seed + q,
+            )  # fmt: skip
+            seq = ids + gen.token_ids
+            p_all, q_all = sequence_logits(engine, seq)
+            for r in range(max(1, len(ids) - 1), len(seq)):
+                node = node_numbers(
+                    p_all[r], q_all[r], args.temperature, args.leads, args.support, d2t, seq[r]
+                )
+                nodes.append(dict(set=name, question=q, position=r, **node.__dict__))
+            print(f"[{name} q{q}] {len(nodes)} nodes", file=sys.stderr, flush=True)
+    return nodes
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    if not args.temperature > 0 or args.max_new_tokens < 1:
-        raise ValueError(
-            f"--temperature {args.temperature} must be > 0 and --max-new-tokens "
-            f"{args.max_new_tokens} >= 1"
-        )
-    kind = default_prompt_kind(args.pair, args.prompts)
-    texts = load_prompts(kind, args.sets, args.limit)
-    target, draft = resolve_pair(args.pair, args.target, args.draft)
-    engine = load_engine(target, draft, args.device, args.dtype)
-    tree_config("rheo", args.leads, args.support)  # bad leads/support fail before any work
-    room = prompt_room(engine, args.max_new_tokens, 1)
+    with checking():  # every bad input fails here, before any generation
+        kind, texts = prompt_texts(args)
+        target, draft = resolve_pair(args.pair, args.target, args.draft)
+        engine = load_engine(target, draft, args.device, args.dtype)
+        engine.request([1], 1, method="rheo", temperature=args.temperature, leads=args.leads,
+                       support=args.support, topk=POOL, depth=1, total_tokens=POOL + 1)  # fmt: skip
+        # The sequences are generated by ar (a tree of one token); the logits cover them whole.
+        prompts, fit = fit_prompts(engine, texts, args.chat, args.max_new_tokens, 1)
+        check_output(args.out, "--out")  # last: a run that fails its checks makes no folder
+        check_output(args.md, "--md")
     cond = conditions(
         "table4",
         args.device,
@@ -283,6 +316,7 @@ def run(args: argparse.Namespace) -> dict:
         prompts=kind,
         sets=list(texts),
         limit=args.limit,
+        **fit,
         T=args.temperature,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
@@ -293,26 +327,8 @@ def run(args: argparse.Namespace) -> dict:
         support=args.support,
     )
     print(conditions_line(cond), flush=True)
-    d2t = engine.head.draft_to_target
-    nodes: list[dict] = []
-    for name, items in texts.items():
-        for q, text in enumerate(items):
-            ids, _ = prompt_ids(engine, text, args.chat, room)
-            gen = engine.generate(
-                ids,
-                args.max_new_tokens,
-                method="ar",
-                temperature=args.temperature,
-                seed=args.seed + q,
-            )
-            seq = ids + gen.token_ids
-            p_all, q_all = sequence_logits(engine, seq)
-            for r in range(max(1, len(ids) - 1), len(seq)):
-                node = node_numbers(
-                    p_all[r], q_all[r], args.temperature, args.leads, args.support, d2t, seq[r]
-                )
-                nodes.append(dict(set=name, question=q, position=r, **node.__dict__))
-            print(f"[{name} q{q}] {len(nodes)} nodes", file=sys.stderr, flush=True)
+    print(cut_line(fit, args.max_new_tokens), flush=True)
+    nodes = all_nodes(engine, prompts, args)
     means = {m: statistics.fmean(n["acceptance"][m] for n in nodes) for m in VERIFY_METHODS}
     bound = statistics.fmean(n["bound"] for n in nodes)
     thm3 = statistics.fmean(n["theorem3"] for n in nodes)
@@ -337,4 +353,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main, sys.argv[1:])

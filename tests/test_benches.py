@@ -1,12 +1,19 @@
-"""The end-to-end benches (bench/e2e.py, table4.py, ablations.py, gpu_check.sh) on stories260K.
+"""The end-to-end benches (bench/e2e.py, table4.py, ablations.py, bench_engine.py, gpu_check.sh).
 
-- e2e: JSON and markdown hold every method, tau, tokens/s and a speedup column; configurations
-  rotate per question; long prompts are cut to the context; bad options fail before any work;
-  the summary's tau/speedup arithmetic on hand-made records.
+They run on a fresh clone: the main checks use the embedded default pair (weights/default) and a
+tiny question folder in EAGLE's layout written to tmp_path; the stories260K checks (needing
+../shared) are extras that skip with their reason.
+- e2e: JSON and markdown hold every method, tau next to the tokens emitted, tokens/s and a
+  speedup column; configurations rotate per question; long prompts are cut to the context read
+  from the target's config (and the output says how many); bad options fail before any work.
+- inputs: --data (missing folder, missing set, malformed question.jsonl lines named by file and
+  line), missing pairs say how to make them, and every bench script ends bad input in one line
+  on stderr with a non-zero exit and no traceback.
+- tau: produced() never counts a drafted token past a stop; summarize's arithmetic by hand.
 - table4: the head's per-position draft logits equal Eagle3Drafter.root_logits; the exact
   depth-1 acceptance of every method is <= the per-node bound, rheo's equals Theorem 3, and
-  every method's first-token law equals p (synthetic nodes with q close to p, a draft vocabulary
-  smaller than the target's, and real contexts).
+  every method's first-token law equals p (synthetic nodes, a smaller draft vocabulary, and
+  real contexts).
 - ablations: JSON and markdown (and PNG when matplotlib is installed) per ablation.
 - gpu_check.sh fails clearly without a GPU; its step bookkeeping runs in dry-run mode.
 """
@@ -18,23 +25,29 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
 import ablations  # noqa: E402
 import common  # noqa: E402
 import e2e  # noqa: E402
+import inputs  # noqa: E402
 import table4  # noqa: E402
 
 from rheo_engine import Engine  # noqa: E402
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter  # noqa: E402
 
 SMALL_TREE = ["--topk", "4", "--depth", "3", "--total-tokens", "10"]
+DEFAULT = ROOT / "weights" / "default"
+QUESTIONS = ["def add(a, b):", "Complete the code I provided.\n\nclass Stack:\n    def push(self"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,110 +59,230 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def pair(stories_dir: Path, stories_head_dir: Path) -> list[str]:
-    return ["--target", str(stories_dir), "--draft", str(stories_head_dir)]
+def context() -> int:
+    """The default target's context, read from its config (it changes when it is retrained)."""
+    config = DEFAULT / "target" / "config.json"
+    if not config.is_file() or not (DEFAULT / "draft" / "config.json").is_file():
+        pytest.skip(f"the default pair is not in {DEFAULT}")
+    return json.loads(config.read_text())["max_position_embeddings"]
 
 
-# --- e2e -------------------------------------------------------------------------------------
+def write_set(root: Path, name: str, lines: list[str]) -> Path:
+    (root / name).mkdir(parents=True, exist_ok=True)
+    path = root / name / "question.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
-def test_e2e_outputs_every_method_with_speedup(pair, tmp_path, capsys):
+def question(i: int, text: str) -> str:
+    return json.dumps({"question_id": i, "category": "code", "turns": [text, "and again"]})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, context: int) -> Path:
+    """EAGLE's layout: humaneval (two short questions), sum (one longer than the context)."""
+    root = tmp_path_factory.mktemp("eagle_bench")
+    write_set(root, "humaneval", [question(i, q) for i, q in enumerate(QUESTIONS)])
+    write_set(root, "sum", [question(0, "Summarize: " + "x = y + 1\n" * context)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(context: int) -> Engine:
+    return Engine.from_pretrained(DEFAULT / "target", DEFAULT / "draft")
+
+
+# --- e2e on the default pair ------------------------------------------------------------------
+
+
+def test_e2e_default_pair_on_a_tiny_data_dir(context, data, tmp_path, capsys):
     out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
-    e2e.main(
-        [
-            *pair,
-            "--prompts",
-            "stories",
-            "--limit",
-            "1",
-            "--seeds",
-            "2",
-            "--max-new-tokens",
-            "6",
-            *SMALL_TREE,
-            "--out",
-            str(out),
-            "--md",
-            str(md),
-            "--quiet",
-        ]
-    )
-    data = json.loads(out.read_text())
-    assert data["conditions"]["bench"] == "e2e" and data["conditions"]["seeds"] == 2
-    assert list(data["summary"]) == list(common.METHODS)
-    for per_set in data["summary"].values():
-        assert set(per_set) == {"stories", "average"}
-        avg = per_set["average"]
-        assert avg["tau_mean"] >= 1.0 and avg["tokens_per_s"] > 0 and avg["speedup"] > 0
-    assert data["summary"]["ar"]["average"]["speedup"] == pytest.approx(1.0)
-    assert data["summary"]["ar"]["average"]["tau_mean"] == pytest.approx(1.0)
-    # 2 seeds x 1 question x 4 methods; the order rotates by one per question.
-    labels = [r["label"] for r in data["records"]]
-    assert labels == ["ar", "topk", "rrsw", "rheo", "topk", "rrsw", "rheo", "ar"]
-    assert all(r["new_tokens"] <= 6 and r["steps"] >= 1 for r in data["records"])
+    flags = ["--pair", "default", "--data", str(data), "--sets", "humaneval", "sum"]
+    e2e.main([*flags, "--seeds", "1", "--max-new-tokens", "6", *SMALL_TREE, "--out", str(out),
+              "--md", str(md), "--quiet"])  # fmt: skip
+    data_out = json.loads(out.read_text())
+    cond, records = data_out["conditions"], data_out["records"]
+    assert cond["sets"] == ["humaneval", "sum"] and cond["questions_per_set"] == [2, 1]
+    assert cond["context"] == context and cond["prompts_cut_to"] == context - 6 - 10
+    assert cond["prompts_cut"] == 1  # the sum question is longer than the whole context
+    printed = capsys.readouterr().out
+    assert f"# prompts: 1 of 3 cut on the left (BOS kept) to {context - 16} tokens" in printed
+    # 3 questions x 4 methods; the order rotates by one per question.
+    labels = [r["label"] for r in records]
+    assert labels == ["ar", "topk", "rrsw", "rheo", "topk", "rrsw", "rheo", "ar",
+                      "rrsw", "rheo", "ar", "topk"]  # fmt: skip
+    assert list(data_out["summary"]) == list(common.METHODS)
+    for label, per_set in data_out["summary"].items():
+        mine = [r for r in records if r["label"] == label]
+        assert per_set["average"]["tokens"] == sum(r["new_tokens"] for r in mine)
+        for name in ("humaneval", "sum"):
+            group = [r for r in mine if r["set"] == name]
+            tau = sum(r["emitted"] for r in group) / sum(r["steps"] for r in group)
+            assert per_set[name]["tau_mean"] == pytest.approx(tau)
+    for r in records:  # tau counts only tokens produced: at most the tokens returned + an EOS
+        assert r["new_tokens"] <= r["emitted"] <= r["new_tokens"] + 1 and r["steps"] >= 1
+    assert data_out["summary"]["ar"]["average"]["tau_mean"] == pytest.approx(1.0)
+    assert data_out["summary"]["ar"]["average"]["speedup"] == pytest.approx(1.0)
     text = md.read_text()
-    assert (
-        text.startswith("# bench=e2e ")
-        and "| method | stories τ | avg τ | tokens/s | speedup |" in text
-    )
-    assert all(f"| {m} |" in text for m in common.METHODS)
-    assert "speedup" in capsys.readouterr().out  # the table is printed too
+    assert text.startswith("# bench=e2e ")
+    assert "| method | humaneval τ | sum τ | avg τ | tokens | tokens/s | speedup |" in text
 
 
-def test_e2e_question_sets_cut_long_prompts(pair, shared_dir, tmp_path):
-    out = tmp_path / "q.json"
-    data = e2e.main(
-        [
-            *pair,
-            "--prompts",
-            "questions",
-            "--sets",
-            "sum",
-            "qa",
-            "--limit",
-            "1",
-            "--methods",
-            "ar",
-            "rheo",
-            "--seeds",
-            "1",
-            "--max-new-tokens",
-            "4",
-            *SMALL_TREE,
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-    )
-    cond = data["conditions"]
-    assert cond["sets"] == ["sum", "qa"] and cond["questions_per_set"] == [1, 1]
-    assert cond["prompts_cut"] == 1  # the CNN article is longer than stories260K's context
-    assert cond["prompts_cut_to"] == 512 - 4 - 10
-    assert set(json.loads(out.read_text())["summary"]["rheo"]) == {"sum", "qa", "average"}
-
-
-def test_prompt_cut_keeps_bos_and_tail(stories_dir):
-    engine = Engine.from_pretrained(stories_dir)
-    full = engine.tokenizer.encode("Once upon a time there was a dog. " * 20)
-    ids, cut = common.prompt_ids(engine, "Once upon a time there was a dog. " * 20, False, 30)
-    assert cut and len(ids) == 30 and ids[0] == full[0] and ids[1:] == full[-29:]
-    assert common.prompt_ids(engine, "Once", False, 30) == (engine.tokenizer.encode("Once"), False)
+def test_e2e_without_shared_data_says_to_pass_data(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(inputs, "DEFAULT_DATA", tmp_path / "shared" / "data" / "eagle_bench")
+    with pytest.raises(inputs.BadInput, match="pass --data DIR"):
+        e2e.main(["--pair", "default", "--sets", "humaneval", "--quiet"])
+    assert "bench=e2e" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
-    "extra, error",
+    "extra, match",
     [
-        (["--sets", "nope"], ValueError),
-        (["--limit", "0"], ValueError),
-        (["--support", "2"], ValueError),  # support < topk
-        (["--max-new-tokens", "500"], ValueError),  # no room left in the 512-token context
-        (["--draft", "/nonexistent/head"], FileNotFoundError),
+        (["--sets", "nope"], r"nope/question.jsonl not found; the sets in .* are \['humaneval'"),
+        (["--sets", "humaneval", "humaneval"], "more than once"),
+        (["--support", "2"], "support=2 < topk=10"),
+        (["--max-new-tokens", "CONTEXT"], "lower --max-new-tokens"),  # no room in the context
+        (["--draft", "/nonexistent/head"], "--draft /nonexistent/head has no config.json"),
+        (["--prompts", "stories", "--sets", "humaneval"], "drop --sets"),
+        (["--out", "DATA"], "is a directory"),
     ],
 )
-def test_e2e_rejects_bad_options_before_work(pair, extra, error, capsys):
-    with pytest.raises(error):
-        e2e.main([*pair, "--prompts", "questions", "--seeds", "1", "--quiet", *extra])
+def test_e2e_rejects_bad_options_before_work(context, data, extra, match, capsys):
+    extra = [{"CONTEXT": str(context), "DATA": str(data)}.get(x, x) for x in extra]
+    with pytest.raises(inputs.BadInput, match=match):
+        e2e.main(["--pair", "default", "--data", str(data), "--sets", "humaneval", "--seeds", "1",
+                  "--quiet", *extra])  # fmt: skip
     assert "bench=e2e" not in capsys.readouterr().out  # nothing ran
+
+
+def test_prompt_room_reads_the_context():
+    def fake(context: int):
+        return SimpleNamespace(target=SimpleNamespace(cfg=SimpleNamespace(
+            max_position_embeddings=context)))  # fmt: skip
+
+    assert inputs.prompt_room(fake(256), 128, 60) == 68
+    assert inputs.prompt_room(fake(1024), 128, 60) == 836
+    assert inputs.prompt_room(fake(1024), 128, 1) == 895  # ar: a tree of one token
+    with pytest.raises(inputs.BadInput, match="leave 0 prompt tokens .* context of 188"):
+        inputs.prompt_room(fake(188), 128, 60)
+
+
+def test_prompt_cut_keeps_bos_and_tail(engine):
+    text = "def f(x):\n    return x + 1\n" * 20
+    full = engine.tokenizer.encode(text, bos=True)
+    ids, cut = inputs.prompt_ids(engine, text, False, 30)
+    assert cut and len(ids) == 30 and ids[0] == full[0] and ids[1:] == full[-29:]
+    short = engine.tokenizer.encode("def", bos=True)
+    assert inputs.prompt_ids(engine, "def", False, 30) == (short, False)
+
+
+# --- question sets and pairs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        ([question(0, "a"), "{not json", question(2, "c")], "question.jsonl line 2: not JSON"),
+        ([question(0, "a"), "", '{"question_id": 3}'], "question.jsonl line 3: needs a 'turns'"),
+        (['{"turns": []}'], "line 1: needs a 'turns' list"),
+        (["[1, 2]"], "line 1: needs a 'turns' list"),
+        (['{"turns": [""]}'], "line 1: needs a 'turns' list starting with the question text"),
+        (["", "  "], "holds no questions"),
+    ],
+)
+def test_load_questions_names_the_file_and_line(tmp_path, lines, match):
+    path = write_set(tmp_path, "mt_bench", lines)
+    with pytest.raises(inputs.BadInput, match=match) as info:
+        inputs.load_questions(tmp_path, "mt_bench")
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_load_questions_reads_the_first_turn_up_to_the_limit(tmp_path):
+    write_set(tmp_path, "qa", [question(i, f"q{i}") for i in range(5)])
+    assert inputs.load_questions(tmp_path, "qa") == [f"q{i}" for i in range(5)]
+    assert inputs.load_questions(tmp_path, "qa", 2) == ["q0", "q1"]
+    (tmp_path / "bad" / "question.jsonl").parent.mkdir()
+    (tmp_path / "bad" / "question.jsonl").write_bytes(b'{"turns": ["\xff"]}\n')
+    with pytest.raises(inputs.BadInput, match="is not UTF-8"):
+        inputs.load_questions(tmp_path, "bad")
+    with pytest.raises(inputs.BadInput, match=r"--data .*missing is not a directory"):
+        inputs.data_dir(str(tmp_path / "missing"))
+
+
+def test_missing_pair_says_how_to_make_it(monkeypatch, tmp_path):
+    cache = inputs.ROOT / ".cache" / "nowhere"
+    monkeypatch.setitem(inputs.PAIRS, "stories", (cache / "target", cache / "head"))
+    with pytest.raises(inputs.BadInput, match=r"io.convert llama2c .*or use --pair default"):
+        inputs.resolve_pair("stories", None, None)
+    monkeypatch.setitem(inputs.PAIRS, "stories", (DEFAULT / "target", cache / "head"))
+    with pytest.raises(inputs.BadInput, match=r"\.cache/nowhere/head.*rheo_engine.train.head"):
+        inputs.resolve_pair("stories", None, None)
+
+
+def test_bad_input_is_one_line_on_stderr(context, data, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    write_set(bad, "humaneval", [question(0, "a"), '{"turns": ["b"]', question(2, "c")])
+    d = ["--data", str(data), "--sets", "humaneval"]
+    cases = [
+        (e2e, ["--data", str(tmp_path / "none")], "--data"),
+        (e2e, ["--data", str(data), "--sets", "nope"], "--sets nope"),
+        (e2e, ["--data", str(bad), "--sets", "humaneval"], "humaneval/question.jsonl line 2"),
+        (e2e, [*d, "--target", str(tmp_path)], "has no config.json"),
+        (e2e, [*d, "--limit", "0"], "--limit: got 0"),
+        (e2e, [*d, "--seeds", "0"], "--seeds: got 0"),
+        (e2e, [*d, "--temperature", "-1"], "--temperature: got -1"),
+        (e2e, [*d, "--pair", "nope"], "invalid choice: 'nope'"),
+        (table4, [*d, "--temperature", "0"], "needs T > 0"),
+        (table4, [*d, "--max-new-tokens", str(context)], "lower --max-new-tokens"),
+        (ablations, [*d, "--leads-list", "-1"], "--leads-list: got -1"),
+        (ablations, [*d, "--support", "2", "--out-dir", str(tmp_path / "abl")], "support=2 <"),
+    ]
+    for module, argv, needle in cases:
+        with pytest.raises(SystemExit) as info:
+            inputs.cli(module.main, argv)
+        out, err = capsys.readouterr()
+        assert info.value.code == 2, (module.__name__, argv)
+        assert len(err.strip().splitlines()) == 1 and needle in err, (module.__name__, argv, err)
+        assert "bench=" not in out, argv  # it failed before any work
+    assert not (tmp_path / "abl").exists()  # ... and made no output folder
+
+
+def _run_script(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)  # fmt: skip
+
+
+def test_scripts_end_bad_input_without_a_traceback(tmp_path):
+    cases = [
+        (["bench/e2e.py", "--data", str(tmp_path / "none"), "--quiet"], "--data"),
+        (["bench/bench_engine.py", "--pair", "default", "--runs", "0"], "--runs: got 0"),
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = list(pool.map(_run_script, [argv for argv, _ in cases]))
+    for (argv, needle), run in zip(cases, runs, strict=True):
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (argv, run.stderr)
+        assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], (argv, run.stderr)
+        assert run.stdout == "", argv  # it failed before any work
+
+
+# --- tau --------------------------------------------------------------------------------------
+
+
+def _generation(accept_lengths: list[int], tokens: int, stop: str) -> SimpleNamespace:
+    """What produced() reads of a Generation."""
+    return SimpleNamespace(token_ids=list(range(3, 3 + tokens)), accept_lengths=accept_lengths,
+                           stop_reason=stop)  # fmt: skip
+
+
+def test_produced_counts_no_token_past_a_stop():
+    # An EOS first of a step whose path accepted 3: one token produced (the EOS), none returned.
+    assert common.produced(_generation([3], 0, "eos")) == 1
+    assert common.produced(_generation([1], 0, "eos")) == 1  # an engine that counts it right
+    assert common.produced(_generation([0], 0, "eos")) == 0  # ... or leaves the EOS out
+    assert common.produced(_generation([4, 4], 6, "max_new_tokens")) == 6  # cut at the limit
+    assert common.produced(_generation([3, 2], 5, "context")) == 5
 
 
 def test_summarize_arithmetic():
@@ -167,14 +300,14 @@ def test_summarize_arithmetic():
     assert s["rheo"]["s"]["tau_std"] == pytest.approx(0.7071067811865476)
     assert s["rheo"]["average"]["speedup"] == pytest.approx((2.0 + 4.0) / 2)
     assert s["rheo"]["average"]["tokens_per_s"] == pytest.approx(20.0)
+    assert s["rheo"]["average"]["tokens"] == 20 and s["ar"]["s"]["tokens"] == 20
     assert "speedup" not in common.summarize(records, None)["rheo"]["average"]
 
 
 # --- table4 ----------------------------------------------------------------------------------
 
 
-def test_draft_logits_along_a_sequence_match_the_drafter(stories_dir, stories_head_dir):
-    engine = Engine.from_pretrained(stories_dir, stories_head_dir)
+def test_draft_logits_along_a_sequence_match_the_drafter(engine):
     ids = [1, 403, 407, 261, 378, 432, 383, 286]
     p_all, q_all = table4.sequence_logits(engine, ids)
     for L in (3, len(ids)):  # the engine's state after a prompt of L tokens
@@ -225,65 +358,36 @@ def test_depth1_with_a_smaller_draft_vocabulary():
     _check_node(table4.node_numbers(p_logits, q_logits, 1.0, 1, 16, d2t, 3))
 
 
-def test_table4_on_real_contexts(pair, tmp_path):
-    out, md = tmp_path / "t4.json", tmp_path / "t4.md"
-    data = table4.main(
-        [
-            *pair,
-            "--prompts",
-            "stories",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "5",
-            "--out",
-            str(out),
-            "--md",
-            str(md),
-        ]
-    )
-    assert json.loads(out.read_text())["summary"] == data["summary"]
-    assert len(data["nodes"]) == 6  # the last prompt token and the 5 generated ones
+def _check_table4(data: dict, md: Path) -> None:
     for n in data["nodes"]:
         _check_node(table4.Node(n["acceptance"], n["law_error"], n["bound"], n["theorem3"]))
     s = data["summary"]
+    assert s["nodes"] == len(data["nodes"])
     assert all(s["acceptance"][m] <= s["bound"] + 1e-9 for m in table4.VERIFY_METHODS)
     text = md.read_text()
     assert all(f"| {m} |" in text for m in table4.VERIFY_METHODS) and "upper bound" in text
 
 
-def test_table4_rejects_greedy(pair):
-    with pytest.raises(ValueError, match="temperature"):
-        table4.main([*pair, "--prompts", "stories", "--temperature", "0"])
+def test_table4_default_pair_on_a_tiny_data_dir(context, data, tmp_path, capsys):
+    out, md = tmp_path / "t4.json", tmp_path / "t4.md"
+    result = table4.main(["--pair", "default", "--data", str(data), "--sets", "humaneval",
+                          "--limit", "1", "--max-new-tokens", "3", "--out", str(out),
+                          "--md", str(md)])  # fmt: skip
+    assert json.loads(out.read_text())["summary"] == result["summary"]
+    # The last prompt token and each generated one (the sequence may end early at an EOS).
+    assert 1 <= len(result["nodes"]) <= 4
+    assert result["conditions"]["prompts_cut_to"] == context - 3 - 1
+    assert "# prompts: 0 of 1 cut" in capsys.readouterr().out
+    _check_table4(result, md)
 
 
 # --- ablations -------------------------------------------------------------------------------
 
 
-def test_ablations_write_their_files(pair, tmp_path):
-    payloads = ablations.main(
-        [
-            *pair,
-            "--prompts",
-            "stories",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "4",
-            *SMALL_TREE,
-            "--leads-list",
-            "0",
-            "1",
-            "--temperatures",
-            "0",
-            "1",
-            "--supports",
-            "16",
-            "--out-dir",
-            str(tmp_path),
-            "--quiet",
-        ]
-    )
+def _run_ablations(flags: list[str], out_dir: Path) -> dict:
+    grid = ["--leads-list", "0", "1", "--temperatures", "0", "1", "--supports", "16"]
+    payloads = ablations.main([*flags, "--limit", "1", "--max-new-tokens", "4", *SMALL_TREE,
+                               *grid, "--out-dir", str(out_dir), "--quiet"])  # fmt: skip
     assert ablations.engine_module.Eagle3Drafter is Eagle3Drafter  # the recording hook is undone
     try:
         import matplotlib  # noqa: F401
@@ -292,18 +396,81 @@ def test_ablations_write_their_files(pair, tmp_path):
     except ImportError:
         has_plots = False
     for which in ablations.ABLATIONS:
-        stem = tmp_path / f"ablation_{which}"
+        stem = out_dir / f"ablation_{which}"
         data = json.loads(stem.with_suffix(".json").read_text())
         assert data["conditions"]["bench"] == f"ablation_{which}"
         assert stem.with_suffix(".md").read_text().startswith(f"# bench=ablation_{which} ")
+        assert "tokens)" in stem.with_suffix(".md").read_text()  # tau beside its token count
         assert stem.with_suffix(".png").is_file() == has_plots
         assert payloads[which]["results"] == data["results"]
     m, T, S = (payloads[w]["results"] for w in ("m", "T", "S"))
-    assert m["m"] == [0, 1] and len(m["rheo_tau"]) == 2 and m["topk_tau"] >= 1
+    assert m["m"] == [0, 1] and len(m["rheo_tau"]) == 2 and len(m["rheo_tokens"]) == 2
     assert T["T"] == [0.0, 1.0] and T["topk_tau"][0] == T["rheo_tau"][0]  # T = 0: all greedy
-    assert S["S"] == ["16", "full"] and S["support"] == [16, 512]
+    assert S["S"] == ["16", "full"]
     assert 0 < S["coverage"][0] < 1 and S["coverage"][1] == pytest.approx(1.0)
     assert all(ms > 0 for ms in S["draft_ms_per_step"])
+    return payloads
+
+
+def test_ablations_default_pair_on_a_tiny_data_dir(context, data, tmp_path):
+    flags = ["--pair", "default", "--data", str(data), "--sets", "humaneval"]
+    payloads = _run_ablations(flags, tmp_path)
+    vocab = json.loads((DEFAULT / "draft" / "config.json").read_text())["draft_vocab_size"]
+    assert payloads["S"]["results"]["support"] == [16, vocab]
+
+
+# --- stories260K (extra checks: need ../shared) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(stories_dir: Path, stories_head_dir: Path) -> list[str]:
+    return ["--target", str(stories_dir), "--draft", str(stories_head_dir)]
+
+
+def test_e2e_stories_outputs_every_method_with_speedup(pair, tmp_path, capsys):
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    e2e.main([*pair, "--prompts", "stories", "--limit", "1", "--seeds", "2",
+              "--max-new-tokens", "6", *SMALL_TREE, "--out", str(out), "--md", str(md),
+              "--quiet"])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["conditions"]["bench"] == "e2e" and data["conditions"]["seeds"] == 2
+    assert list(data["summary"]) == list(common.METHODS)
+    for per_set in data["summary"].values():
+        assert set(per_set) == {"stories", "average"}
+        avg = per_set["average"]
+        assert avg["tau_mean"] >= 1.0 and avg["tokens_per_s"] > 0 and avg["speedup"] > 0
+    assert data["summary"]["ar"]["average"]["speedup"] == pytest.approx(1.0)
+    # 2 seeds x 1 question x 4 methods; the order rotates by one per question.
+    labels = [r["label"] for r in data["records"]]
+    assert labels == ["ar", "topk", "rrsw", "rheo", "topk", "rrsw", "rheo", "ar"]
+    assert all(r["new_tokens"] <= 6 and r["steps"] >= 1 for r in data["records"])
+    assert "| method | stories τ | avg τ | tokens | tokens/s | speedup |" in md.read_text()
+    assert "speedup" in capsys.readouterr().out  # the table is printed too
+
+
+def test_e2e_stories_question_sets_cut_long_prompts(pair, shared_dir, stories_dir, tmp_path):
+    data = e2e.main([*pair, "--prompts", "questions", "--sets", "sum", "qa", "--limit", "1",
+                     "--methods", "ar", "rheo", "--seeds", "1", "--max-new-tokens", "4",
+                     *SMALL_TREE, "--quiet"])  # fmt: skip
+    cond = data["conditions"]
+    context = json.loads((stories_dir / "config.json").read_text())["max_position_embeddings"]
+    assert cond["sets"] == ["sum", "qa"] and cond["questions_per_set"] == [1, 1]
+    assert cond["prompts_cut"] == 1  # the CNN article is longer than stories260K's context
+    assert cond["prompts_cut_to"] == context - 4 - 10
+    assert set(data["summary"]["rheo"]) == {"sum", "qa", "average"}
+
+
+def test_table4_stories_on_real_contexts(pair, tmp_path):
+    out, md = tmp_path / "t4.json", tmp_path / "t4.md"
+    data = table4.main([*pair, "--prompts", "stories", "--limit", "1", "--max-new-tokens", "5",
+                        "--out", str(out), "--md", str(md)])  # fmt: skip
+    assert len(data["nodes"]) == 6  # the last prompt token and the 5 generated ones
+    _check_table4(data, md)
+
+
+def test_ablations_stories_write_their_files(pair, tmp_path):
+    payloads = _run_ablations([*pair, "--prompts", "stories"], tmp_path)
+    assert payloads["S"]["results"]["support"] == [16, 512]
 
 
 # --- gpu_check.sh ----------------------------------------------------------------------------
@@ -324,30 +491,30 @@ def test_gpu_check_fails_clearly_without_gpu(tmp_path):
     assert run.returncode == 2 and "no NVIDIA GPU" in run.stderr
 
 
-def test_gpu_check_dry_run_lists_every_step(tmp_path):
+def _gpu_check_dry(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake (UUID: x)'\n")
     (fake / "nvidia-smi").chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{fake}:{os.environ['PATH']}",
-        "GPU_CHECK_DRY": "1",
-        "STORIES_HEAD": str(tmp_path / "no-head"),
-    }
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_CHECK_DRY": "1", **env}
     logs = tmp_path / "logs"
-    run = subprocess.run(
-        ["bash", str(BENCH / "gpu_check.sh"), str(logs)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env,
-    )
+    run = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(logs)], capture_output=True,
+                         text=True, timeout=30, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr
+    return run, logs
+
+
+def test_gpu_check_dry_run_lists_every_step(tmp_path):
+    fixture = tmp_path / "llama2c"  # only looked at, never read, in a dry run
+    fixture.mkdir()
+    (fixture / "stories260K.bin").write_bytes(b"")
+    missing = {"STORIES_TARGET": str(tmp_path / "no-target"), "STORIES_HEAD": str(tmp_path / "x")}
+    run, logs = _gpu_check_dry(tmp_path, LLAMA2C=str(fixture), **missing)
     summary = (logs / "summary.md").read_text()
     assert "DRY RUN" in summary and summary == run.stdout
     for name in (
         "build",
+        "convert",
         "cuda_tests",
         "bench_tree_attention",
         "bench_verification",
@@ -359,3 +526,14 @@ def test_gpu_check_dry_run_lists_every_step(tmp_path):
     assert "--device cuda" in (logs / "bench_tree_attention.log").read_text()
     assert "--device cuda" not in (logs / "bench_verification.log").read_text()
     assert "-k cuda" in (logs / "cuda_tests.log").read_text()
+
+
+def test_gpu_check_on_a_fresh_clone_uses_the_default_pair(tmp_path):
+    missing = str(tmp_path / "missing")
+    run, logs = _gpu_check_dry(tmp_path, STORIES_TARGET=missing, LLAMA2C=missing)
+    assert "| convert |" not in run.stdout and "| train_head |" not in run.stdout
+    assert "| e2e | ok |" in run.stdout
+    assert (
+        "--target weights/default/target --draft weights/default/draft"
+        in (logs / "e2e.log").read_text()
+    )
