@@ -7,6 +7,7 @@ nothing but the read-only kernels.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.kv_cache import KVCache
-from rheo_engine.loop import StepTimes, new_seed, speculative_step
+from rheo_engine.loop import StepTimes, fit_tree, resolve_seed, speculative_step
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
@@ -32,10 +33,13 @@ class Generation:
 
     text: str
     token_ids: list[int]  # new tokens only (a stop token is not included)
-    accept_lengths: list[int]  # tokens emitted per step (accepted drafts + 1)
+    # Tokens produced per step (accepted drafts + 1), counted up to and including a stop token:
+    # what a step drafted past an EOS or past max_new_tokens is not counted.
+    accept_lengths: list[int]
     method: str
     wall_s: float
     stop_reason: str  # "eos", "max_new_tokens" or "context"
+    seed: int  # the Philox seed used (fresh for seed=None/-1): pass it back to reproduce the run
     times: StepTimes = field(default_factory=StepTimes)
     prefill_s: float = 0.0
 
@@ -45,7 +49,7 @@ class Generation:
 
     @property
     def mean_accept_length(self) -> float:
-        """tau: tokens per target forward over the decode steps."""
+        """tau: tokens produced per target forward over the decode steps."""
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
     @property
@@ -72,19 +76,49 @@ class _TargetRunner:
 
 
 class _NoDraft:
-    """The drafter of method ``ar``: the tree is the root alone, so nothing is ever drafted."""
+    """The drafter of a request that never drafts (method ``ar``, total_tokens=1, one new
+    token): every tree is the root alone."""
 
     def root_logits(self) -> torch.Tensor:  # pragma: no cover - never called for ar
-        raise AssertionError("method ar never drafts")
+        raise AssertionError("a root-only tree never drafts")
 
     def expand(self, level, parent_rank, tokens):  # pragma: no cover - never called for ar
-        raise AssertionError("method ar never drafts")
+        raise AssertionError("a root-only tree never drafts")
 
     def prefill(self, features, next_tokens) -> None:
         pass
 
     def commit(self, tree, verdict, features) -> None:
         pass
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device, or a one-line ValueError saying which devices there are."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(n_gpus)])
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device={device!r} is not a device name torch knows; available: {available}"
+        ) from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(
+            f"device={device!r}: the engine runs on cpu or cuda only; available: {available}"
+        )
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) was built without CUDA"
+    elif n_gpus == 0:
+        why = "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+    elif dev.index is not None and dev.index >= n_gpus:
+        why = f"this machine has {n_gpus} CUDA GPU(s)"
+    elif not kernels.has_cuda():
+        why = "rheo_engine._C was built without CUDA kernels (rebuild it with FORCE_CUDA=1)"
+    else:
+        return dev
+    raise ValueError(f"device={device!r} is not available: {why}; available: {available}")
 
 
 class Engine:
@@ -108,8 +142,11 @@ class Engine:
     ) -> Engine:
         """Load a target HF Llama directory and an EAGLE-3 head directory (None: no drafting).
 
-        With neither, loads the embedded default pair from weights/default/.
+        With neither, loads the embedded default pair from weights/default/. ``device`` is
+        checked first: one that torch or this build cannot use is a ValueError listing those
+        that are available.
         """
+        device = _check_device(device)
         if target is None and draft is None:
             target, draft = DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft"
             if not (Path(target) / "config.json").is_file():
@@ -138,7 +175,13 @@ class Engine:
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted. Options: method="rheo", temperature=1.0,
         top_p=1.0, top_k=0, seed=None, topk=10, depth=8, total_tokens=60, leads=1,
-        support=128, chat=False."""
+        support=128, chat=False.
+
+        ``seed`` is an int in [0, 2**64); None or -1 draws a fresh one (Generation.seed says
+        which). ``total_tokens=1`` (a tree of the root alone) is a plain autoregressive run
+        whatever the method: the draft head is not used at all. Near the end of the context,
+        or of max_new_tokens, each step's tree shrinks to what is left, so every method emits
+        as many tokens as ``ar``."""
         decoder = self.tokenizer.stream_decoder()
         for new_ids in self.request(prompt, max_new_tokens, **options):
             piece = decoder.feed(new_ids)
@@ -154,19 +197,46 @@ class Engine:
         return Request(self, prompt, max_new_tokens, **options)
 
 
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _prompt_ids(prompt: object) -> list[int]:
+    """Token ids from a list/tuple of ints or a 1-D integer tensor; anything else (text in a
+    list, floats, bools, nested lists) is a ValueError naming the first bad element."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype not in _INT_DTYPES:
+            raise ValueError(
+                f"a prompt tensor must be 1-D of integer token ids, got shape "
+                f"{list(prompt.shape)} dtype {prompt.dtype}; pass e.g. torch.tensor([1, 2, 3])"
+            )
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(
+            f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}; "
+            "pass text or a list such as [1, 2, 3]"
+        )
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(
+                f"prompt[{i}]={t!r} ({type(t).__name__}) is not an int token id; a prompt is "
+                "one str or a flat list of ints: join text pieces into one string"
+            )
+    return [int(t) for t in prompt]
+
+
 class Request:
     """One generation, iterated step by step (yields the new token ids of each step)."""
 
     def __init__(
         self,
         engine: Engine,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor,
         max_new_tokens: int,
         method: str = "rheo",
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        seed: int | None = None,
+        seed: int | None = None,  # None or -1: a fresh random seed
         topk: int = 10,
         depth: int = 8,
         total_tokens: int = 60,
@@ -181,27 +251,33 @@ class Request:
             raise ValueError(
                 f"method={method!r} needs a draft head; load one with draft=DIR or use method='ar'"
             )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens!r} ({type(max_new_tokens).__name__}) must be an "
+                "int >= 1; pass a whole number of tokens"
+            )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.prompt_ids = self._encode(prompt, chat)
         self.context = engine.target.cfg.max_position_embeddings
-        room = self.context - len(self.prompt_ids)
-        if room < 1:
+        # A prompt of exactly `context` tokens still gets one token: its last token runs at
+        # position context - 1, the last one the target knows.
+        if len(self.prompt_ids) > self.context:
             raise ValueError(
                 f"the prompt has {len(self.prompt_ids)} tokens but the target's context is "
-                f"{self.context}; shorten the prompt"
+                f"{self.context}; shorten the prompt to at most {self.context} tokens"
             )
         self.max_new_tokens = max_new_tokens
-        self.seed = new_seed() if seed is None else seed
+        self.seed = resolve_seed(seed)
         self.result: Generation | None = None
         self.prefill_s = 0.0
 
-    def _encode(self, prompt: str | list[int], chat: bool) -> list[int]:
+    def _encode(self, prompt: str | list[int] | torch.Tensor, chat: bool) -> list[int]:
         tok = self.engine.tokenizer
         if isinstance(prompt, str):
             ids = tok.encode_chat([prompt]) if chat else tok.encode(prompt, bos=True)
         else:
-            ids = [int(t) for t in prompt]
+            ids = _prompt_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.engine.target.cfg.vocab_size]
             if bad:
                 raise ValueError(
@@ -219,8 +295,8 @@ class Request:
         accept_lengths: list[int] = []
         times = StepTimes()
         for emitted in self._steps(times):
-            accept_lengths.append(len(emitted))
-            new, stop = self._cut(emitted, len(out))
+            new, stop, produced = self._cut(emitted, len(out))
+            accept_lengths.append(produced)
             out.extend(new)
             if new:
                 yield new
@@ -231,25 +307,34 @@ class Request:
         self.result = Generation(
             text=self.engine.tokenizer.decode(out), token_ids=out, accept_lengths=accept_lengths,
             method=self.tree_cfg.method, wall_s=time.perf_counter() - start, stop_reason=stop,
-            times=times, prefill_s=self.prefill_s,
+            seed=self.seed, times=times, prefill_s=self.prefill_s,
         )  # fmt: skip
 
-    def _cut(self, emitted: list[int], have: int) -> tuple[list[int], str | None]:
-        """The part of a step's tokens to keep, and why generation stops (None: go on)."""
+    def _cut(self, emitted: list[int], have: int) -> tuple[list[int], str | None, int]:
+        """The part of a step's tokens to keep, why generation stops (None: go on), and how many
+        tokens the step produced: up to and including the stop token, the rest is dropped."""
         eos = set(self.engine.tokenizer.eos_ids)
-        for i, t in enumerate(emitted):
+        left = self.max_new_tokens - have
+        for i, t in enumerate(emitted[:left]):
             if t in eos:
-                return emitted[:i][: self.max_new_tokens - have], "eos"
-        if have + len(emitted) >= self.max_new_tokens:
-            return emitted[: self.max_new_tokens - have], "max_new_tokens"
-        return emitted, None
+                return emitted[:i], "eos", i + 1
+        if len(emitted) >= left:
+            return emitted[:left], "max_new_tokens", left
+        return emitted, None, len(emitted)
+
+    def _uses_head(self) -> bool:
+        """Whether any step of this request can draft: not for ar, nor for a tree of the root
+        alone (total_tokens=1), nor for one new token (a tree would have depth 0)."""
+        cfg = self.tree_cfg
+        return cfg.method != "ar" and cfg.total_tokens > 1 and self.max_new_tokens > 1
 
     def _steps(self, times: StepTimes) -> Iterator[list[int]]:
         """prefill, then one speculative step at a time until the context is full."""
         engine, cfg = self.engine, self.tree_cfg
-        head = engine.head if cfg.method != "ar" else None
+        head = engine.head if self._uses_head() else None
         layers = head.feature_layers if head is not None else ()
-        tree_rows = 1 if cfg.method == "ar" else cfg.total_tokens
+        tree_rows = 1 if head is None else cfg.total_tokens
+        # Rows a step can need: the committed prefix (< prompt + max_new_tokens) plus its tree.
         max_len = min(self.context, len(self.prompt_ids) + self.max_new_tokens + tree_rows)
         cache = engine.target.new_cache(max_len)
         runner = _TargetRunner(engine.target, cache, layers)
@@ -257,12 +342,17 @@ class Request:
         t0 = time.perf_counter()
         root = self._prefill(runner, drafter, cache)
         self.prefill_s = time.perf_counter() - t0
-        ar_cfg = TreeConfig("ar")
-        step = 0
-        while cache.length + tree_rows <= self.context:
-            # A head needs one (feature, token) pair before it can draft: the first step of a
-            # one-token prompt is a plain target step.
-            step_cfg = cfg if head is None or drafter.length > 0 else ar_cfg
+        step_cfg = ar_cfg = TreeConfig("ar")
+        step, produced = 0, 0
+        # The root of the next step sits at row cache.length: a step runs while it fits.
+        while cache.length < self.context:
+            if head is not None:
+                # Lossless (DESIGN.md §2.4): the tree is fixed from what is known before the
+                # step (the free context rows, the tokens still wanted), never from its coins
+                # or logits; see fit_tree. A head needs one (feature, token) pair before it can
+                # draft, so the first step of a one-token prompt is a plain target step.
+                room, wanted = self.context - cache.length, self.max_new_tokens - produced
+                step_cfg = fit_tree(cfg, room, wanted) if drafter.length > 0 else ar_cfg
             result = speculative_step(
                 runner, drafter, root, torch.tensor([cache.length]), step_cfg, self.sampling,
                 self.seed, step, None if head is None else head.draft_to_target,
@@ -270,6 +360,7 @@ class Request:
             times.add(result.times)
             root = result.verdict.bonus_token.long()
             step += 1
+            produced += len(result.emitted[0])
             yield result.emitted[0]
 
     def _prefill(self, runner: _TargetRunner, drafter, cache: KVCache) -> torch.Tensor:

@@ -8,6 +8,8 @@ the last prompt token): the target has not processed it yet.
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +46,49 @@ class DraftModel(Drafter, Protocol):
 def new_seed() -> int:
     """A fresh 64-bit seed for requests that give none."""
     return int.from_bytes(os.urandom(8), "little")
+
+
+def resolve_seed(seed: object) -> int:
+    """The Philox seed of a request: ``seed`` itself if it is an int in [0, 2**64); a fresh one
+    for None or -1 (as llama.cpp), so the caller can report it and a rerun can pass it back."""
+    if isinstance(seed, bool) or not (seed is None or isinstance(seed, numbers.Integral)):
+        raise ValueError(
+            f"seed={seed!r} ({type(seed).__name__}) must be an int in [0, 2**64), or -1/None for "
+            "a fresh random seed; pass an integer such as seed=0"
+        )
+    if seed is None or seed == -1:
+        return new_seed()
+    if not 0 <= seed < 2**64:
+        raise ValueError(
+            f"seed={seed} is outside [0, 2**64) (the Philox key is 64 bits) and only -1 means "
+            "a fresh random seed; pass a seed in that range"
+        )
+    return int(seed)
+
+
+def fit_tree(cfg: TreeConfig, room: int, wanted: int) -> TreeConfig:
+    """The tree of a step that has ``room`` free rows left in the target's context and still
+    wants ``wanted`` tokens: ``cfg`` where it fits, else fewer nodes and less depth, down to a
+    plain step (method ``ar``: the root alone).
+
+    A tree of N nodes needs N context rows (the root included) and emits at most depth + 1
+    tokens, so N <= room, depth <= wanted - 1 (no drafts past the last token wanted) and
+    depth <= N - 1 (a deeper node never survives pruning: its ancestors all rank first).
+
+    Lossless (DESIGN.md §2.4): room and wanted are known before the step (the committed cache
+    length and the tokens emitted so far), so the shape never depends on this step's coins,
+    sampled tokens or target logits, and every guarantee for a tree fixed in advance holds.
+    """
+    if cfg.method == "ar":
+        return cfg
+    total = min(cfg.total_tokens, room)
+    depth = min(cfg.depth, total - 1, wanted - 1)
+    if depth < 1:
+        return TreeConfig("ar")
+    total = min(total, 1 + cfg.topk + (depth - 1) * cfg.topk * cfg.topk)  # max_tree_size
+    if (total, depth) == (cfg.total_tokens, cfg.depth):
+        return cfg
+    return dataclasses.replace(cfg, total_tokens=total, depth=depth)
 
 
 @dataclass
@@ -152,7 +197,7 @@ def decode(
     first_step: int = 0,
 ) -> Decoded:
     """Run steps until every sequence has ``max_new_tokens`` new tokens (extra ones dropped)."""
-    seed = new_seed() if seed is None else seed
+    seed = resolve_seed(seed)
     B = root_tokens.shape[0]
     out = Decoded([[] for _ in range(B)], [[] for _ in range(B)])
     roots, prefix = root_tokens.clone(), prefix_len.clone()
