@@ -4,13 +4,105 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Method = Literal["ar", "topk", "rrsw", "rheo"]
 METHODS: tuple[str, ...] = ("ar", "topk", "rrsw", "rheo")
+
+
+def _check_int(name: str, value: object) -> None:
+    """A Python API option that must be an int (a bool is not one: True would read as 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"{name}={value!r} ({type(value).__name__}) must be an int; pass a whole number"
+        )
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}) must be a number")
+
+
+# --- typed fields of a config.json ---------------------------------------------------------
+
+REQUIRED: Any = object()  # json_field's default for a field that must be present
+_NEEDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+          list: "a list", dict: "an object"}  # fmt: skip
+
+
+def _json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "null")
+
+
+def json_type_error(source: str, name: str, value: object, needs: str) -> ValueError:
+    """The one-line error for a config field of the wrong JSON type."""
+    shown = json.dumps(value)
+    hint = ""
+    if isinstance(value, float) and value.is_integer() and "integer" in needs:
+        hint = f" (write {int(value)}, without the fraction)"
+    if value is None:
+        return ValueError(f'{source}: "{name}" is null but must be {needs}; give it a value')
+    return ValueError(
+        f'{source}: "{name}": {shown} is {_json_kind(value)} but must be {needs}{hint}; '
+        f"fix that field"
+    )
+
+
+def json_field(d: dict, name: str, kind: type, source: str, default: Any = REQUIRED) -> Any:
+    """``d[name]`` checked to be JSON of ``kind`` (int, float, bool, str, list or dict).
+
+    Absent or null gives ``default`` (as HF reads null: unset), or an error for a required
+    field. Nothing is converted, as HF's config classes would convert it silently or crash
+    later: 8.0 is not an integer, "8" is not a number, true is not 1, and "false" is not a
+    boolean (bool("false") is True).
+    """
+    value = d.get(name)
+    if value is None:
+        if default is not REQUIRED:
+            return default
+        if name not in d:
+            raise ValueError(f'{source} lacks "{name}" ({_NEEDS[kind]}); add it')
+        raise json_type_error(source, name, value, _NEEDS[kind])
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise json_type_error(source, name, value, _NEEDS[kind])
+    if kind is float and not math.isfinite(value):
+        raise json_type_error(source, name, value, "a finite number")
+    return float(value) if kind is float else value
+
+
+def json_int_list(d: dict, name: str, source: str, lone: bool = False) -> list[int] | None:
+    """A list of integers (layer ids; with ``lone``, a single integer is a list of one, as
+    HF's eos_token_id), or None when absent or null."""
+    value = d.get(name)
+    if value is None:
+        return None
+    needs = "an integer or a list of integers" if lone else "a list of integers"
+    if not isinstance(value, list):
+        if lone and isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        raise json_type_error(source, name, value, needs)
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(
+                f'{source}: "{name}": {json.dumps(value)} holds {json.dumps(x)}, '
+                f"{_json_kind(x)}, but must be {needs}; fix that field"
+            )
+    return value
 
 
 @dataclass(frozen=True)
@@ -27,6 +119,8 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is not one of {list(METHODS)}; pick one")
+        for name in ("topk", "depth", "total_tokens", "leads", "support"):
+            _check_int(name, getattr(self, name))
         if self.method == "ar":
             return
         if self.topk < 1:
@@ -39,17 +133,18 @@ class TreeConfig:
             raise ValueError(
                 f"total_tokens={self.total_tokens} > {self.max_tree_size()} = 1 + topk + "
                 f"(depth - 1) * topk^2 nodes the draft can grow with topk={self.topk}, "
-                f"depth={self.depth}; lower total_tokens or raise depth/topk"
+                f"depth={self.depth}; lower total_tokens= to at most {self.max_tree_size()}, or "
+                "raise depth= or topk="
             )
         if not 0 <= self.leads < self.topk:
             raise ValueError(
                 f"leads={self.leads} must be in [0, topk={self.topk}) so the sampled slot fits "
-                "in the pool; lower leads"
+                "in the pool; lower leads="
             )
         if self.support < self.topk:
             raise ValueError(
                 f"support={self.support} < topk={self.topk}: the pool needs K draft tokens in "
-                "the support; raise support"
+                "the support; raise support="
             )
 
     def max_tree_size(self) -> int:
@@ -65,6 +160,9 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
 
     def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        _check_int("top_k", self.top_k)
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(
                 f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)"
@@ -109,12 +207,18 @@ class RopeScaling:
             )
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> RopeScaling | None:
+    def from_dict(cls, d: dict | None, source: str = "config.json") -> RopeScaling | None:
         """None for plain RoPE; HF's ``rope_scaling`` or ``rope_parameters`` dict otherwise."""
         if not d:
             return None
-        kind = d.get("rope_type", d.get("type", "default"))
-        if kind == "default":
+        where = f"{source} rope scaling"
+        kind = json_field(d, "rope_type", str, where, json_field(d, "type", str, where, None))
+        if kind is None and "factor" in d:  # a scaling of no known kind: never drop it silently
+            raise ValueError(
+                f"{where} has factor={d['factor']!r} but no rope_type; add the rope_type the "
+                "model was trained with (only 'llama3' is supported) or remove the scaling"
+            )
+        if kind in (None, "default"):
             return None
         if kind != "llama3":
             raise ValueError(
@@ -124,12 +228,14 @@ class RopeScaling:
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in keys if k not in d]
         if missing:
-            raise ValueError(f"llama3 rope scaling lacks {missing}; add them to config.json")
+            raise ValueError(f"llama3 rope scaling lacks {missing}; add them to {source}")
         return cls(
-            factor=float(d["factor"]),
-            low_freq_factor=float(d["low_freq_factor"]),
-            high_freq_factor=float(d["high_freq_factor"]),
-            original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+            factor=json_field(d, "factor", float, where),
+            low_freq_factor=json_field(d, "low_freq_factor", float, where),
+            high_freq_factor=json_field(d, "high_freq_factor", float, where),
+            original_max_position_embeddings=json_field(
+                d, "original_max_position_embeddings", int, where
+            ),
         )
 
 
@@ -184,52 +290,56 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
+    def from_dict(cls, d: dict, source: str = "config.json") -> ModelConfig:
         """From an HF Llama config.json dict (transformers 4.x ``rope_scaling`` or 5.x
-        ``rope_parameters``)."""
-        archs = d.get("architectures") or []
-        if not (any(a in _LLAMA_ARCHS for a in archs) or d.get("model_type") == "llama"):
+        ``rope_parameters``). Every field is checked to have its JSON type; ``source`` names
+        the file in the errors."""
+        archs = json_field(d, "architectures", list, source, [])
+        model_type = json_field(d, "model_type", str, source, None)
+        if any("Eagle" in str(a) for a in archs):
             raise ValueError(
-                f"unknown architecture: architectures={archs}, model_type={d.get('model_type')!r}; "
+                f"{source} is an EAGLE-3 head's (architectures={archs}), not a Llama target's; "
+                "pass the head as draft=DIR and its target as target=DIR"
+            )
+        if not (any(a in _LLAMA_ARCHS for a in archs) or model_type == "llama"):
+            raise ValueError(
+                f"unknown architecture: architectures={archs}, model_type={model_type!r}; "
                 "only Llama targets (LlamaForCausalLM / model_type 'llama') are supported"
             )
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")  # fmt: skip
-        missing = [k for k in required if d.get(k) is None]
+        missing = [k for k in required if k not in d]
         if missing:
-            raise ValueError(f"config.json lacks {missing}; add them (HF LlamaConfig fields)")
-        rope = d.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        H, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
-        head_dim = d.get("head_dim")
+            raise ValueError(f"{source} lacks {missing}; add them (HF LlamaConfig fields)")
+        size = {k: json_field(d, k, int, source) for k in required}
+        H, hidden = size["num_attention_heads"], size["hidden_size"]
+        head_dim = json_field(d, "head_dim", int, source, None)
         if head_dim is None:
-            if hidden % H:
+            if H >= 1 and hidden % H:  # H < 1 is refused by __post_init__
                 raise ValueError(
                     f"hidden_size={hidden} is not a multiple of num_attention_heads={H} and "
-                    "config.json has no head_dim; add head_dim"
+                    f"{source} has no head_dim; add head_dim"
                 )
-            head_dim = hidden // H
-        eos = d.get("eos_token_id")
-        eos_ids = (
-            () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        )
-        bos = d.get("bos_token_id")
+            head_dim = hidden // max(H, 1)
+        rope = json_field(d, "rope_parameters", dict, source, {})
+        theta = json_field(rope, "rope_theta", float, f"{source} rope_parameters", None)
+        if theta is None:
+            theta = json_field(d, "rope_theta", float, source, 10000.0)
+        scaling = json_field(d, "rope_scaling", dict, source, None) or rope
+        eos = json_int_list(d, "eos_token_id", source, lone=True) or []
+        dtype = json_field(d, "torch_dtype", str, source, None)  # transformers 5 says "dtype"
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=H,
-            num_key_value_heads=int(d.get("num_key_value_heads") or H),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_dict(d.get("rope_scaling") or rope),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            **size,
+            num_key_value_heads=json_field(d, "num_key_value_heads", int, source, H),
+            head_dim=head_dim,
+            rms_norm_eps=json_field(d, "rms_norm_eps", float, source, 1e-6),
+            rope_theta=theta,
+            rope_scaling=RopeScaling.from_dict(scaling, source),
+            max_position_embeddings=json_field(d, "max_position_embeddings", int, source, 2048),
+            tie_word_embeddings=json_field(d, "tie_word_embeddings", bool, source, False),
+            bos_token_id=json_field(d, "bos_token_id", int, source, None),
+            eos_token_ids=tuple(eos),
+            torch_dtype=json_field(d, "dtype", str, source, "float32") if dtype is None else dtype,
         )
 
     @classmethod
@@ -237,17 +347,27 @@ class ModelConfig:
         """Read ``path``/config.json (an HF Llama checkpoint directory)."""
         p = Path(path)
         if not p.is_dir():
-            raise FileNotFoundError(
-                f"model directory {p} not found; pass an HF Llama checkpoint dir"
-            )
+            what = "is a file, not a directory" if p.exists() else "not found"
+            raise FileNotFoundError(f"model directory {p} {what}; pass an HF Llama checkpoint dir")
         cfg_file = p / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(
                 f"{cfg_file} not found; the directory must hold an HF Llama config.json "
                 "(convert llama2.c checkpoints with `python -m rheo_engine.io.convert llama2c`)"
             )
-        try:
-            d = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file} is not valid JSON ({e}); fix or re-download it") from e
-        return cls.from_dict(d)
+        return cls.from_dict(read_json_object(cfg_file), str(cfg_file))
+
+
+def read_json_object(path: Path) -> dict:
+    """A config.json's object, or a one-line ValueError for a file that is not one."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason}); fix or re-download it") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or re-download it") from e
+    if not isinstance(d, dict):
+        raise ValueError(
+            f"{path} holds {_json_kind(d)}, not a JSON object of config fields; fix it"
+        )
+    return d

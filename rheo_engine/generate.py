@@ -3,46 +3,141 @@
     python -m rheo_engine.generate --prompt "def quicksort(xs):"          # embedded default pair
     python -m rheo_engine.generate --target DIR --draft DIR --method rheo --temperature 1 --json
 
-Without --prompt it reads prompts from standard input, one per line, until EOF.
+Without --prompt or --prompt-file it reads prompts from standard input, one per line until EOF,
+and answers every line, a blank one too (a blank line is a prompt of BOS alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import os
+import re
+import shlex
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from rheo_engine.config import METHODS
-from rheo_engine.engine import Engine, Generation
+from rheo_engine.engine import Engine, Generation, Request
+from rheo_engine.models.llama import parameter_count
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROG = "python -m rheo_engine.generate"
+
+# --- the CPU thread default ------------------------------------------------------------------
+
+# Measured 2026-12-01 on this project's 2-core machine while a training job kept one core busy
+# (the case to handle: a shared machine), bf16 Llamas with random weights, 1 vs 2 threads, the
+# median of interleaved runs. One decode token: 7.2 vs 45 ms at 7.8M parameters, 19 vs 323 ms at
+# 27M, 37 vs 229 ms at 84M, 87 vs 1068 ms at 192M, 361 vs 1328 ms at 755M; the quick start
+# (`--prompt "def quicksort(xs):" --max-new-tokens 64 --temperature 0`, default pair, 6.9M)
+# ran at 14.0-22.2 tokens/s with --threads 1 and 2.8-4.2 with --threads 2. A small model is
+# bound by per-operator overhead, and OpenMP threads spin when their core is shared, so one
+# thread won at every size measured. Above 1B parameters (not measured here) a matmul's work
+# dwarfs that overhead and free cores pay, so the default there is torch's.
+ONE_THREAD_BELOW_PARAMS = 10**9
+
+
+def default_threads(n_params: int) -> int:
+    """Torch CPU threads for a target of ``n_params`` weights when --threads is not given."""
+    return 1 if n_params < ONE_THREAD_BELOW_PARAMS else torch.get_num_threads()
+
+
+# --- errors in the CLI's spelling -------------------------------------------------------------
+
+# The Python API's option names; each is the flag --name-with-dashes (parser() keeps it so and
+# tests/test_cli.py checks it against the API's signatures).
+API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method", "temperature",
+               "top_p", "top_k", "seed", "topk", "depth", "total_tokens", "leads", "support",
+               "chat")  # fmt: skip
+_SWITCHES = ("chat",)  # flags without a value (store_true)
+_NAMES = "|".join(sorted(API_OPTIONS, key=len, reverse=True))
+# `name=value` (value: a repr'd string or a run of plain characters), not inside a longer name.
+_ASSIGN = re.compile(rf"(?<![\w./-])({_NAMES})=('(?:[^'\\]|\\.)*'|[^\s,;()\[\]]*)")
+# A bare name that cannot be prose (it has an underscore): max_new_tokens -> --max-new-tokens.
+_BARE = re.compile(rf"(?<![\w./-])({'|'.join(n for n in API_OPTIONS if '_' in n)})(?![\w=./-])")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _assign_to_flag(m: re.Match) -> str:
+    name, value = m.group(1), m.group(2)
+    tail = ""
+    while value and value[-1] in ".:":  # sentence punctuation after the value
+        value, tail = value[:-1], value[-1] + tail
+    if name in _SWITCHES:
+        return ("no " if value == "False" else "") + flag(name) + tail
+    if value.startswith("'"):
+        value = shlex.quote(ast.literal_eval(value))
+    return (f"{flag(name)} {value}" if value else flag(name)) + tail
+
+
+def cli_spelling(message: str) -> str:
+    """An error of the Python API as the CLI says it, on one line: ``method='ar'`` becomes
+    ``--method ar``, ``draft=DIR`` ``--draft DIR``, ``max_new_tokens`` ``--max-new-tokens``."""
+    message = _ASSIGN.sub(_assign_to_flag, " ".join(message.split()))
+    return _BARE.sub(lambda m: flag(m.group(1)), message)
+
+
+class BadInput(ValueError):
+    """A bad flag or input file, already in the CLI's spelling."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the usage is on --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see --help\n")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m rheo_engine.generate", description=__doc__.split("\n")[0]
-    )
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--prompt", help="text to continue (omit to read prompts from stdin)")
-    p.add_argument("--target", help="HF Llama directory (default: the embedded pair)")
-    p.add_argument("--draft", help="EAGLE-3 head directory (default: the embedded pair)")
+    p.add_argument(
+        "--prompt-file", metavar="PATH", help="a UTF-8 text file whose whole content is the prompt"
+    )
+    p.add_argument("--target", metavar="DIR", help="HF Llama directory (default: embedded pair)")
+    p.add_argument("--draft", metavar="DIR", help="EAGLE-3 head directory (default: embedded)")
     p.add_argument("--method", choices=METHODS, default="rheo")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument(
+        "--seed", type=int, default=-1,
+        help="Philox seed in [0, 2**64); -1 (default) draws a fresh one. The seed used is in the "
+        "stats line and --json, so a sampled run can be reproduced",
+    )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--topk", type=int, default=10, help="nodes expanded per level (K)")
     p.add_argument("--depth", type=int, default=8, help="draft levels below the root")
-    p.add_argument("--total-tokens", type=int, default=60, help="tree size, root included")
+    p.add_argument(
+        "--total-tokens", type=int, default=60,
+        help="tree size, root included; 1 = the root alone: a plain autoregressive run, the "
+        "same as --method ar, with no draft-head forwards",
+    )  # fmt: skip
     p.add_argument("--leads", type=int, default=1, help="m, deterministic leads per pool")
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, help="torch CPU threads (small models: 1 is fastest)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument(
+        "--threads", type=int,
+        help="torch CPU threads (default: 1 for targets below 1B parameters, which are faster "
+        "on one thread, else torch's default); the stats line says how many ran",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object per prompt instead of streaming (with the prompt, seed, "
+        "threads and the stats)",
+    )  # fmt: skip
     return p
 
 
@@ -54,63 +149,206 @@ def _options(args: argparse.Namespace) -> dict:
     )  # fmt: skip
 
 
-def stats_line(gen: Generation) -> str:
+# --- prompts ---------------------------------------------------------------------------------
+
+
+def read_prompt_file(path: str) -> str:
+    """The whole file as the prompt, exactly (its last newline included): UTF-8 text only."""
+    p = Path(path)
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "not found"
+        raise BadInput(f"--prompt-file {path} {what}; pass the path of a UTF-8 text file")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(
+            f"--prompt-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
+    if "\x00" in text:
+        raise BadInput(
+            f"--prompt-file {path} holds a NUL character at offset {text.index(chr(0))}: it is "
+            "a binary file, not text; pass a text file"
+        )
+    return text
+
+
+def _text(text: str, where: str) -> str:
+    """``text`` if it is text: bytes that are not UTF-8 reach Python (argv, stdin) as lone
+    surrogates (PEP 383), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadInput(
+            f"{where} is not UTF-8 text (a byte that is not UTF-8 at character {e.start}); "
+            "pass UTF-8 text"
+        ) from None
+    return text
+
+
+def prompts(args: argparse.Namespace) -> Iterator[str]:
+    """--prompt, or --prompt-file, or one prompt per line of stdin (blank lines included)."""
+    if args.prompt is not None:
+        yield _text(args.prompt, "--prompt")
+    elif args.prompt_file is not None:
+        yield read_prompt_file(args.prompt_file)
+    else:
+        try:
+            for i, line in enumerate(sys.stdin, 1):  # universal newlines: "\r\n" is "\n"
+                yield _text(line[:-1] if line.endswith("\n") else line, f"stdin line {i}")
+        except UnicodeDecodeError as e:  # a stdin without surrogateescape
+            raise BadInput(
+                f"standard input is not {e.encoding} text ({e.reason}); pass UTF-8 text, or use "
+                "--prompt-file"
+            ) from None
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def stats_line(gen: Generation, threads: int) -> str:
     t = gen.times
     return (
         f"[{gen.method}] {len(gen.token_ids)} tokens in {gen.steps} steps, "
-        f"tau {gen.mean_accept_length:.2f}, {gen.tokens_per_s:.1f} tokens/s "
-        f"(draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target {t.target_s:.2f}s, "
-        f"verify {t.verify_s:.2f}s, "
-        f"commit {t.commit_s:.2f}s; stop: {gen.stop_reason})"
+        f"tau {gen.mean_accept_length:.2f}, {gen.tokens_per_s:.1f} tokens/s, seed {gen.seed}, "
+        f"threads {threads} (draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target "
+        f"{t.target_s:.2f}s, verify {t.verify_s:.2f}s, commit {t.commit_s:.2f}s; "
+        f"stop: {gen.stop_reason})"
     )
 
 
-def as_json(gen: Generation) -> dict:
+def as_json(gen: Generation, prompt: str, threads: int) -> dict:
     t = gen.times
     return {
-        "text": gen.text, "token_ids": gen.token_ids, "method": gen.method, "steps": gen.steps,
+        "prompt": prompt, "text": gen.text, "token_ids": gen.token_ids, "method": gen.method,
+        "seed": gen.seed, "threads": threads, "steps": gen.steps,
         "mean_accept_length": gen.mean_accept_length, "tokens_per_s": gen.tokens_per_s,
         "wall_s": gen.wall_s, "stop_reason": gen.stop_reason, "accept_lengths": gen.accept_lengths,
         "prefill_s": gen.prefill_s, "draft_s": t.draft_s, "head_s": t.head_s,
-        "target_s": t.target_s,
-        "verify_s": t.verify_s, "commit_s": t.commit_s,
+        "target_s": t.target_s, "verify_s": t.verify_s, "commit_s": t.commit_s,
     }  # fmt: skip
 
 
-def run_one(engine: Engine, prompt: str, args: argparse.Namespace) -> None:
-    if args.json:
-        gen = engine.generate(prompt, args.max_new_tokens, **_options(args))
-        print(json.dumps(as_json(gen), ensure_ascii=False))
-        return
+class Progress:
+    """The run so far: its thread count, and what the request in flight has produced, for the
+    stats line of an interrupted run."""
+
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+        self.request: Request | None = None
+        self.start = 0.0
+        self.tokens = 0
+        self.steps = 0  # every step before a stop yields at least one token
+        self.mid_line = False  # streamed text not yet ended by a newline
+
+    def begin(self, request: Request) -> None:
+        self.request, self.start, self.tokens, self.steps = request, time.perf_counter(), 0, 0
+
+    def interrupted_line(self) -> str | None:
+        if self.request is None:
+            return None
+        wall_s = time.perf_counter() - self.start
+        tau = self.tokens / max(1, self.steps)
+        return (
+            f"[{self.request.tree_cfg.method}] interrupted: {self.tokens} tokens in {self.steps} "
+            f"steps, tau {tau:.2f}, {self.tokens / wall_s if wall_s > 0 else 0.0:.1f} tokens/s, "
+            f"seed {self.request.seed}, threads {self.threads}"
+        )
+
+
+def run_one(engine: Engine, prompt: str, args: argparse.Namespace, progress: Progress) -> None:
     request = engine.request(prompt, args.max_new_tokens, **_options(args))
-    decoder = engine.tokenizer.stream_decoder()
+    progress.begin(request)
+    decoder = None if args.json else engine.tokenizer.stream_decoder()
     for new_ids in request:
-        sys.stdout.write(decoder.feed(new_ids))
-        sys.stdout.flush()
-    print(decoder.flush())
-    print(stats_line(request.result), file=sys.stderr)
+        progress.tokens += len(new_ids)
+        progress.steps += 1
+        if decoder is not None:
+            sys.stdout.write(decoder.feed(new_ids))
+            sys.stdout.flush()
+            progress.mid_line = True
+    gen = request.result
+    assert gen is not None
+    if decoder is None:
+        print(json.dumps(as_json(gen, prompt, progress.threads), ensure_ascii=False))
+    else:
+        print(decoder.flush())
+    sys.stdout.flush()  # a closed pipe shows here, inside main's handlers
+    progress.request, progress.mid_line = None, False
+    print(stats_line(gen, progress.threads), file=sys.stderr)
+
+
+def _quiet_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush cannot fail
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (captured in a test)
+        pass
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr)
+    except OSError:  # stderr is gone too: nothing left to tell
+        pass
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace, progress: Progress) -> None:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise BadInput(
+            "--prompt and --prompt-file were both given; pass one of them (or neither, to read "
+            "prompts from stdin)"
+        )
+    if args.threads is not None and args.threads < 1:
+        raise BadInput(f"--threads {args.threads} must be >= 1; pass 1 or more CPU threads")
+    dtype = None if args.dtype is None else _DTYPES[args.dtype]
+    engine = Engine.from_pretrained(args.target, args.draft, args.device, dtype)
+    progress.threads = args.threads or default_threads(parameter_count(engine.target.cfg))
+    torch.set_num_threads(progress.threads)
+    for prompt in prompts(args):
+        run_one(engine, prompt, args, progress)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"error: --threads={args.threads} must be >= 1", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
-    dtype = None if args.dtype is None else _DTYPES[args.dtype]
+    """The CLI; returns the exit status: 0, 2 for bad input (one line on stderr), 130 for
+    Ctrl-C (after the stats of what was generated), 141 when stdout is closed early."""
     try:
-        engine = Engine.from_pretrained(args.target, args.draft, args.device, dtype)
-        if args.prompt is not None:
-            run_one(engine, args.prompt, args)
-            return 0
-        for line in sys.stdin:
-            if line.strip():
-                run_one(engine, line.rstrip("\n"), args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad flag (2, already said in one line)
+        return e.code if isinstance(e.code, int) else 2
+    progress, before = Progress(), torch.get_num_threads()
+    try:
+        _run(args, progress)
+        return 0
+    except BrokenPipeError:
+        # `... | head -n 2`: the reader has all it wants. 141 = 128 + SIGPIPE, what a process
+        # killed by the signal reports, as `yes | head` does.
+        _quiet_stdout()
+        return 141
+    except KeyboardInterrupt:
+        line = progress.interrupted_line()
+        if progress.mid_line:
+            try:
+                print(flush=True)  # end the half-written line of text
+            except OSError:
+                _quiet_stdout()
+        if line is not None:
+            _say(line)
+        return 130
+    except BadInput as err:  # a flag or file of the CLI's own, said in its spelling already
+        _say(f"error: {' '.join(str(err).split())}")
         return 2
-    return 0
+    except (ValueError, OSError) as err:  # bad input the API found: a value, a model directory
+        _say(f"error: {cli_spelling(str(err))}")
+        return 2
+    finally:
+        torch.set_num_threads(before)  # main() may run inside another program (tests)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import json
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -150,7 +152,8 @@ def convert_llama2c(
     model_bin, tokenizer_model, out = Path(model_bin), Path(tokenizer_model), Path(out_dir)
     for f, what in ((model_bin, "llama2.c checkpoint"), (tokenizer_model, "tokenizer.model")):
         if not f.is_file():
-            raise FileNotFoundError(f"{what} {f} not found; pass the path of an existing file")
+            state = "is a directory" if f.is_dir() else "not found"
+            raise FileNotFoundError(f"{what} {f} {state}; pass the path of an existing file")
     _check_out_dir(out)
     raw = model_bin.read_bytes()
     h = _read_llama2c_header(raw, model_bin)
@@ -162,13 +165,21 @@ def convert_llama2c(
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the usage is on --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see --help\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The converter CLI; returns the exit status (2: bad input, said in one line on stderr)."""
+    parser = _Parser(
         prog="python -m rheo_engine.io.convert",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("llama2c", help="llama2.c v0 checkpoint -> HF Llama directory")
     p.add_argument("model_bin", help="llama2.c checkpoint, e.g. stories260K.bin")
     p.add_argument("tokenizer_model", help="its SentencePiece model, e.g. tok512.model")
@@ -176,15 +187,25 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("eagle3", help="EAGLE-3 head checkpoint -> the engine's head layout")
     p.add_argument("src_dir", help="EAGLE-3 checkpoint directory")
     p.add_argument("out_dir", help="new (or empty) output directory")
-    args = parser.parse_args(argv)
-    if args.command == "llama2c":
-        out = convert_llama2c(args.model_bin, args.tokenizer_model, args.out_dir)
-    else:
-        from rheo_engine.io.convert_eagle3 import convert_eagle3  # its own module (EAGLE engineer)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, already said in one line)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if args.command == "llama2c":
+            out = convert_llama2c(args.model_bin, args.tokenizer_model, args.out_dir)
+        else:
+            from rheo_engine.io.convert_eagle3 import convert_eagle3  # its own module
 
-        out = convert_eagle3(args.src_dir, args.out_dir)
+            out = convert_eagle3(args.src_dir, args.out_dir)
+    except (ValueError, OSError) as err:  # bad input: a missing or broken file, a used OUT_DIR
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,10 +18,11 @@ _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 
 
-def _shard_files(d: Path) -> list[Path]:
-    """The files of a checkpoint directory, checked to exist before anything is read."""
+def _shard_files(d: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The files of a checkpoint directory, checked to exist before anything is read, and the
+    index's weight_map (tensor name -> shard file name) for a sharded one."""
     if (d / _SINGLE).is_file():
-        return [d / _SINGLE]
+        return [d / _SINGLE], None
     index = d / _INDEX
     if not index.is_file():
         found = sorted(p.name for p in d.glob("*.safetensors")) + sorted(
@@ -34,18 +35,45 @@ def _shard_files(d: Path) -> list[Path]:
         )
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ValueError(
             f"{index} is not a safetensors index (needs a 'weight_map' object): {e!r}; "
             "re-download or regenerate it"
         ) from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(
+            f"{index}: 'weight_map' must map tensor names to shard file names; "
+            "re-download or regenerate it"
+        )
     files = [d / name for name in sorted(set(weight_map.values()))]
     absent = [f.name for f in files if not f.is_file()]
     if absent:
         raise FileNotFoundError(
             f"{index} lists shards missing from {d}: {absent}; download the missing shards"
         )
-    return files
+    return files, weight_map
+
+
+def _check_shards(index: Path, weight_map: dict[str, str], held: dict[str, list[str]]) -> None:
+    """Each tensor is in exactly the shard the index names: a tensor in two shards, in a shard
+    the index does not name, or absent from its shard means the shards are from different
+    saves, and loading would keep one copy silently."""
+    twice = sorted(k for k, files in held.items() if len(files) > 1)
+    if twice:
+        raise ValueError(
+            f"{index.parent}: tensor {twice[0]} is in {held[twice[0]]} ({len(twice)} tensors in "
+            "more than one shard); the shards come from different saves: re-download them"
+        )
+    unlisted = sorted(k for k, files in held.items() if weight_map.get(k) != files[0])
+    absent = sorted(k for k in weight_map if k not in held)
+    if unlisted or absent:
+        k = (unlisted or absent)[0]
+        where = held[k][0] if k in held else "no shard"
+        raise ValueError(
+            f"{index} says {k} is in {weight_map.get(k, 'no shard')} but it is in {where} "
+            f"({len(unlisted) + len(absent)} such tensors); the index and the shards disagree: "
+            "re-download or regenerate them"
+        )
 
 
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
@@ -61,15 +89,21 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
 def load_safetensors(path_or_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a ``.safetensors`` file, or of a checkpoint directory (single or sharded)."""
     p = Path(path_or_dir)
+    weight_map = None
     if p.is_dir():
-        files = _shard_files(p)
+        files, weight_map = _shard_files(p)
     elif p.is_file():
         files = [p]
     else:
         raise FileNotFoundError(f"weights {p} not found; pass a .safetensors file or a model dir")
     tensors: dict[str, torch.Tensor] = {}
+    held: dict[str, list[str]] = {}  # tensor name -> the files holding it
     for f in files:
-        tensors.update(_load_file(f))
+        for name, t in _load_file(f).items():
+            tensors[name] = t
+            held.setdefault(name, []).append(f.name)
+    if weight_map is not None:
+        _check_shards(p / _INDEX, weight_map, held)
     return tensors
 
 

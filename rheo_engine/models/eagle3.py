@@ -9,7 +9,6 @@ the target id ``d + d2t[d]``. The tree-level state lives in ``eagle3_drafter.Eag
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from rheo_engine.config import json_field, json_int_list, read_json_object
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache
 
@@ -67,6 +67,11 @@ class HeadConfig:
         for name in _SIZES:
             if getattr(self, name) < 1:
                 raise ValueError(f"head {name}={getattr(self, name)} must be >= 1; fix config.json")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError(
+                f"head rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be "
+                "> 0; fix config.json"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"head num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -89,44 +94,60 @@ class HeadConfig:
             )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], target: ModelConfig) -> HeadConfig:
-        """Read an official head config; ``target`` supplies defaults EAGLE takes from it."""
+    def from_dict(
+        cls, d: dict[str, Any], target: ModelConfig, source: str = "head config.json"
+    ) -> HeadConfig:
+        """Read an official head config; ``target`` supplies defaults EAGLE takes from it.
+        Every field is checked to have its JSON type; ``source`` names the file in errors."""
         missing = [k for k in _REQUIRED_CONFIG if k not in d]
         if missing:
-            raise ValueError(f"head config.json lacks {missing}; an EAGLE-3 head config has them")
-        scaling = d.get("rope_scaling")
-        if isinstance(scaling, dict) and "type" in scaling:
+            raise ValueError(f"{source} lacks {missing}; an EAGLE-3 head config has them")
+        size = {k: json_field(d, k, int, source) for k in _REQUIRED_CONFIG}
+        scaling = json_field(d, "rope_scaling", dict, source, None)
+        if scaling and "type" in scaling:
             # EAGLE applies only linear/dynamic scaling keyed by "type"; neither is implemented.
             raise ValueError(
                 f"head rope_scaling type={scaling['type']!r} is not supported (plain RoPE only); "
                 "remove rope_scaling from the head's config.json if it was trained without it"
             )
-        H, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        nested = d.get("eagle_config") or {}
-        layer_ids = d.get(
-            "eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids")
-        )
+        H, heads = size["hidden_size"], size["num_attention_heads"]
+        head_dim = json_field(d, "head_dim", int, source, None)
+        if head_dim is None:
+            if heads >= 1 and H % heads:  # heads < 1 is refused by __post_init__
+                raise ValueError(
+                    f"head hidden_size={H} is not a multiple of num_attention_heads={heads} and "
+                    f"{source} has no head_dim; add head_dim"
+                )
+            head_dim = H // max(heads, 1)
+        key = "eagle_aux_hidden_state_layer_ids"
+        layer_ids = json_int_list(d, key, source)
+        if layer_ids is None:
+            nested = json_field(d, "eagle_config", dict, source, {})
+            layer_ids = json_int_list(nested, key, f"{source} eagle_config")
         N = target.num_hidden_layers
         return cls(
-            hidden_size=H,
-            intermediate_size=int(d["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or H // heads),
-            vocab_size=int(d["vocab_size"]),
-            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta") or DEFAULT_ROPE_THETA),
-            target_hidden_size=int(d.get("target_hidden_size") or target.hidden_size),
-            feature_layers=tuple(int(j) for j in layer_ids) if layer_ids else (2, N // 2, N - 3),
+            **size,
+            num_key_value_heads=json_field(d, "num_key_value_heads", int, source, heads),
+            head_dim=head_dim,
+            draft_vocab_size=json_field(d, "draft_vocab_size", int, source, size["vocab_size"]),
+            rms_norm_eps=json_field(d, "rms_norm_eps", float, source, 1e-6),
+            rope_theta=json_field(d, "rope_theta", float, source, DEFAULT_ROPE_THETA),
+            target_hidden_size=json_field(d, "target_hidden_size", int, source, target.hidden_size),
+            feature_layers=(2, N // 2, N - 3) if layer_ids is None else tuple(layer_ids),
         )
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, target: ModelConfig) -> HeadConfig:
-        file = Path(path) / "config.json"
+        path = Path(path)
+        if not path.is_dir():
+            what = "is a file, not a directory" if path.exists() else "not found"
+            raise FileNotFoundError(
+                f"EAGLE-3 head directory {path} {what}; pass the head's directory as draft=DIR"
+            )
+        file = path / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"head config not found: {file} (an EAGLE-3 head directory)")
-        return cls.from_dict(json.loads(file.read_text()), target)
+        return cls.from_dict(read_json_object(file), target, f"head config {file}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,17 +233,16 @@ def head_config_json(cfg: HeadConfig, torch_dtype: str = "float32") -> dict[str,
     return d
 
 
-def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
-    H, Vd = cfg.hidden_size, cfg.draft_vocab_size
-    expected = head_shapes(cfg)
-    for key, shape in expected.items():
-        if key in weights and tuple(weights[key].shape) != shape:
-            raise ValueError(
-                f"head weight {key} has shape {list(weights[key].shape)} but the head config "
-                f"(hidden_size={H}, feature_layers={cfg.feature_layers}, target_hidden_size="
-                f"{cfg.target_hidden_size}, draft_vocab_size={Vd}) needs {list(shape)}; "
-                "the config.json does not match the weights"
-            )
+def _some(names: list[str], n: int = 4) -> str:
+    """A few names of a long list, and how many there are in all."""
+    shown = ", ".join(names[:n])
+    return shown + (f" and {len(names) - n} more ({len(names)} in all)" if len(names) > n else "")
+
+
+_ANOTHER_TARGET = (
+    "the head belongs to another target; pass the head trained for this target (draft=DIR) "
+    "or load the head's own target (target=DIR)"
+)
 
 
 def _check_target(cfg: HeadConfig, target: LlamaModel) -> None:
@@ -231,33 +251,82 @@ def _check_target(cfg: HeadConfig, target: LlamaModel) -> None:
     if cfg.vocab_size != t.vocab_size:
         raise ValueError(
             f"head vocab_size={cfg.vocab_size} != target vocab_size={t.vocab_size}: "
-            "this head was trained for another target; pick the matching head"
+            f"{_ANOTHER_TARGET}"
         )
     if cfg.target_hidden_size != t.hidden_size:
         raise ValueError(
             f"head target_hidden_size={cfg.target_hidden_size} != target hidden_size="
-            f"{t.hidden_size}: fc fuses {len(cfg.feature_layers)} target features of that width; "
-            "pick the head trained for this target"
+            f"{t.hidden_size} (fc fuses {len(cfg.feature_layers)} target features of that "
+            f"width): {_ANOTHER_TARGET}"
         )
     if max(cfg.feature_layers) >= t.num_hidden_layers:
         raise ValueError(
-            f"head feature_layers={cfg.feature_layers} name a layer >= the target's "
-            f"num_hidden_layers={t.num_hidden_layers}; fix eagle_aux_hidden_state_layer_ids"
+            f"head feature_layers={cfg.feature_layers} (eagle_aux_hidden_state_layer_ids) name a "
+            f"layer >= this target's num_hidden_layers={t.num_hidden_layers}: {_ANOTHER_TARGET}"
+        )
+
+
+def _check_fc(cfg: HeadConfig, fc: torch.Tensor) -> None:
+    """fc.weight [H, k * W] fuses k target features of width W: k must be the number of
+    feature layers and W the target's hidden size; say which of the two is off."""
+    k, T = len(cfg.feature_layers), cfg.target_hidden_size
+    if fc.dim() != 2 or fc.shape[1] == k * T:
+        return
+    width = fc.shape[1]
+    # A head's own width is its target's unless its config says target_hidden_size, so
+    # W == H means "made for a target of hidden_size H", not "lists the wrong layers".
+    if width % k == 0 and (width // k == cfg.hidden_size or width % T):
+        raise ValueError(
+            f"head fc.weight {list(fc.shape)} fuses {k} target features of width {width // k}, "
+            f"but this target's hidden_size is {T} (a head for a target of hidden_size "
+            f"{width // k}): {_ANOTHER_TARGET}"
+        )
+    if width % T == 0:
+        raise ValueError(
+            f"head fc.weight {list(fc.shape)} fuses {width // T} target features of width {T} "
+            f"but its config.json lists {k} feature layers {list(cfg.feature_layers)}: the "
+            "config.json does not match the weights; fix eagle_aux_hidden_state_layer_ids"
         )
 
 
 def _check_keys(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Every tensor the config implies is there, and nothing it does not account for."""
     missing = [k for k in REQUIRED_KEYS if k not in weights]
     if "d2t" not in weights and cfg.draft_vocab_size != cfg.vocab_size:
         missing.append("d2t")
-    if missing:
-        raise ValueError(f"head checkpoint lacks {missing}; is this an EAGLE-3 head?")
     known = set(REQUIRED_KEYS) | set(OPTIONAL_KEYS)
-    extra = [k for k in weights if k not in known and not k.endswith(IGNORED_SUFFIXES)]
+    extra = sorted(k for k in weights if k not in known and not k.endswith(IGNORED_SUFFIXES))
+    if missing and any(k.startswith("model.layers.") for k in extra):
+        raise ValueError(
+            f"head checkpoint lacks {missing[:3]} but holds Llama decoder weights such as "
+            f"{_some(extra, 2)}: it is a target, not an EAGLE-3 head; pass the head's "
+            "directory as draft=DIR"
+        )
+    if missing:
+        raise ValueError(
+            f"head checkpoint lacks {missing[:6]} ({len(missing)} of the tensors an EAGLE-3 head "
+            "needs); is this an EAGLE-3 head? re-export or re-download it"
+        )
     if extra:
         raise ValueError(
-            f"head checkpoint has unexpected keys {sorted(extra)[:8]}; an EAGLE-3 head has "
-            f"{list(REQUIRED_KEYS)} plus optionally {list(OPTIONAL_KEYS)}"
+            f"head checkpoint has unexpected keys {extra[:6]} ({len(extra)} in all) that an "
+            f"EAGLE-3 head does not have: it has {list(REQUIRED_KEYS)} plus optionally "
+            f"{list(OPTIONAL_KEYS)}; remove them or use the right checkpoint"
+        )
+
+
+def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
+    expected = head_shapes(cfg)
+    bad = [k for k, shape in expected.items() if k in weights and weights[k].shape != shape]
+    if bad:
+        got = ", ".join(f"{k} has shape {list(weights[k].shape)}" for k in bad[:3])
+        more = f" ({len(bad)} tensors in all)" if len(bad) > 3 else ""
+        raise ValueError(
+            f"head weight {got}{more} but the head config (hidden_size={cfg.hidden_size}, "
+            f"intermediate_size={cfg.intermediate_size}, feature_layers={cfg.feature_layers}, "
+            f"draft_vocab_size={cfg.draft_vocab_size}) needs "
+            f"{', '.join(str(list(expected[k])) for k in bad[:3])}: the config.json does not "
+            "match the weights; fix the config.json or use the matching weights"
         )
 
 
@@ -314,6 +383,7 @@ class Eagle3Head:
         """Check the head against its target, then place it (default: target device and dtype)."""
         _check_target(cfg, target)
         _check_keys(cfg, weights)
+        _check_fc(cfg, weights["fc.weight"])
         _check_shapes(cfg, weights)
         embed = weights.get("embed_tokens.weight")
         if embed is None:

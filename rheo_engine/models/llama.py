@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -79,28 +80,102 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """The number of weights of a target with this config (a tied lm_head counted once)."""
+    return sum(math.prod(shape) for shape in expected_shapes(cfg).values())
+
+
+# Older HF exports save RoPE's inverse-frequency buffer; it is recomputed from rope_theta, and HF's
+# LlamaForCausalLM ignores it on load too (_keys_to_ignore_on_load_unexpected).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _natural(name: str) -> list:
+    """Sort key putting model.layers.10 after model.layers.9."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _some(names: list[str], shapes: dict[str, tuple[int, ...]] | None = None, n: int = 3) -> str:
+    """The first ``n`` of ``names`` (with their expected shapes), then how many more."""
+    shown = [f"{k} (expected shape {list(shapes[k])})" if shapes else k for k in names[:n]]
+    return ", ".join(shown) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _layers_held(weights: dict[str, torch.Tensor]) -> list[int]:
+    """The decoder layer indices the weights hold tensors for, ascending."""
+    found = (re.match(r"model\.layers\.(\d+)\.", k) for k in weights)
+    return sorted({int(m.group(1)) for m in found if m})
+
+
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first missing or misshapen tensor, before any work."""
-    for name, shape in expected_shapes(cfg).items():
-        if name not in weights:
-            hint = (
-                " (config.json says tie_word_embeddings=false; set it to true if the "
-                "checkpoint shares the embedding)"
-                if name == "lm_head.weight"
-                else ""
-            )
-            raise ValueError(
-                f"weights lack {name} (expected shape {list(shape)}){hint}; the checkpoint is "
-                "not a complete LlamaForCausalLM matching config.json: fix the checkpoint"
-            )
-        got = tuple(weights[name].shape)
-        if got != shape:
-            raise ValueError(
-                f"{name} has shape {list(got)} but config.json implies {list(shape)}; "
-                "config.json and the weights disagree: fix one of them"
-            )
-        if not weights[name].is_floating_point():
-            raise ValueError(f"{name} has dtype {weights[name].dtype}; expected a float tensor")
+    """Raise ValueError unless ``weights`` holds exactly the float tensors config.json implies,
+    with their shapes, before any work. Tensors the config does not account for are an error,
+    not dropped as HF does (with a warning): they mean the config describes another model."""
+    shapes = expected_shapes(cfg)
+    missing = [k for k in shapes if k not in weights]
+    extra = sorted(
+        (k for k in weights if k not in shapes and not k.endswith(IGNORED_SUFFIXES)), key=_natural
+    )
+    embed = weights.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra and embed is not None:
+        # Some exports of tied models save the shared matrix twice; equal, it is no conflict.
+        if torch.equal(weights["lm_head.weight"], embed):
+            extra.remove("lm_head.weight")
+    if missing and not any(k.startswith("model.") for k in weights) and "fc.weight" in weights:
+        raise ValueError(
+            "the weights are an EAGLE-3 head (fc.weight, midlayer.*), not a Llama target; "
+            "pass the head as draft=DIR and its target as target=DIR"
+        )
+    held, L = _layers_held(weights), cfg.num_hidden_layers
+    if (missing or extra) and len(held) != L:
+        if extra:
+            odd = f"{len(extra)} tensors config.json does not account for: {_some(extra)}"
+        else:
+            odd = f"{len(missing)} tensors config.json implies are missing: {_some(missing)}"
+        raise ValueError(
+            f"config.json says num_hidden_layers={L} but the weights hold {len(held)} decoder "
+            f"layers{f' (model.layers.{held[0]} to {held[-1]})' if held else ''}, so {odd}; set "
+            f"num_hidden_layers to {len(held)} in config.json or use the weights made for it"
+        )
+    if missing:
+        hint = (
+            " (config.json says tie_word_embeddings=false; set it to true if the "
+            "checkpoint shares the embedding)"
+            if "lm_head.weight" in missing
+            else ""
+        )
+        count = f" ({len(missing)} tensors in all)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"weights lack {_some(missing, shapes)}{count}{hint}; the checkpoint is not a "
+            "complete LlamaForCausalLM matching config.json: fix the checkpoint"
+        )
+    if extra:
+        hint = (
+            " (config.json says tie_word_embeddings=true but the weights hold their own "
+            "lm_head.weight: set tie_word_embeddings to false)"
+            if "lm_head.weight" in extra
+            else ""
+        )
+        raise ValueError(
+            f"weights hold {len(extra)} tensor(s) config.json does not account for: "
+            f"{_some(extra)}{hint}; "
+            "config.json describes another model: use the config.json made for these weights"
+        )
+    bad = [k for k, shape in shapes.items() if tuple(weights[k].shape) != shape]
+    if bad:
+        got = ", ".join(
+            f"{k} has shape {list(weights[k].shape)} but config.json implies {list(shapes[k])}"
+            for k in bad[:3]
+        )
+        more = f" ({len(bad)} tensors in all)" if len(bad) > 3 else ""
+        raise ValueError(f"{got}{more}; config.json and the weights disagree: fix one of them")
+    not_float = [k for k in shapes if not weights[k].is_floating_point()]
+    if not_float:
+        k = not_float[0]
+        raise ValueError(
+            f"{k} has dtype {weights[k].dtype} ({len(not_float)} such tensors); expected float "
+            "tensors (float32/bfloat16/float16): re-save the checkpoint in one of those"
+        )
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dtype:
@@ -156,7 +231,7 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
     ) -> LlamaModel:
-        """Build from HF-named tensors (checked first; extra tensors are ignored)."""
+        """Build from HF-named tensors: exactly those config.json implies (checked first)."""
         dtype = resolve_dtype(dtype, cfg)
         check_weights(cfg, weights)
 
