@@ -1,36 +1,58 @@
 """Shared fixtures: the ../shared folder beside the repo and stories260K converted to HF layout.
 
 Fixture files are read in place (never copied into the repo); a test that needs one skips
-with the path it looked for when the folder is absent.
+with the path it looked for when the folder is absent. RHEO_SHARED=DIR looks for the folder
+at DIR instead (``RHEO_SHARED=/nonexistent pytest`` runs the suite as a fresh clone does).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(os.environ.get("RHEO_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 LLAMA2C = SHARED / "fixtures" / "llama2c"
+WHERE = (
+    "the shared folder given by RHEO_SHARED"
+    if os.environ.get("RHEO_SHARED")
+    else "the ../shared folder beside the repository; RHEO_SHARED=DIR names another"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    value = os.environ.get("RHEO_SHARED")
+    if value is not None and not value.strip():
+        raise pytest.UsageError(
+            "RHEO_SHARED is set but empty; unset it to use ../shared beside the repository, "
+            "or set it to the shared fixtures folder"
+        )
+
+
+def shared_file(relative: str) -> Path:
+    """SHARED/relative, or a skip naming the missing file and where the folder was looked for."""
+    path = SHARED / relative
+    if not path.is_file():
+        pytest.skip(f"{path} not found: it comes from {WHERE}")
+    return path
 
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     """The ../shared folder next to the repository, or a skip naming where it was looked for."""
     if not SHARED.is_dir():
-        pytest.skip(f"shared fixtures not found: {SHARED}")
+        pytest.skip(f"{SHARED} not found: it is {WHERE}")
     return SHARED
 
 
 @pytest.fixture(scope="session")
-def stories_dir(shared_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def stories_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """stories260K.bin + tok512.model converted by ``convert_llama2c`` into a temporary HF dir."""
     from rheo_engine.io.convert import convert_llama2c
 
-    model_bin, tok = LLAMA2C / "stories260K.bin", LLAMA2C / "tok512.model"
-    for f in (model_bin, tok):
-        if not f.is_file():
-            pytest.skip(f"llama2.c fixture not found: {f}")
+    model_bin = shared_file("fixtures/llama2c/stories260K.bin")
+    tok = shared_file("fixtures/llama2c/tok512.model")
     return convert_llama2c(model_bin, tok, tmp_path_factory.mktemp("stories260K"))
 
 

@@ -1,5 +1,6 @@
-"""The embedded default pair (weights/default): loads with no flags, fits the size budget, and
-speculative decoding reproduces greedy decoding token for token."""
+"""The embedded default pair (weights/default): loads with no flags, fits the size budget, its
+head fits its target and its drafts are accepted. (Greedy equality with HF, the bf16 numerics
+and the lossless G-tests on this pair are in test_engine.py, its CLI in test_default_cli.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 
 from rheo_engine import Engine
 from rheo_engine.engine import DEFAULT_PAIR
-from rheo_engine.generate import main as generate_main
 
 PROMPT = "def quicksort(xs):"
 
@@ -38,23 +38,18 @@ def test_head_fits_the_target_and_says_its_layers():
 
 
 @pytest.mark.parametrize("method", ["topk", "rrsw", "rheo"])
-def test_greedy_speculation_equals_greedy_decoding(engine, method):
-    ar = engine.generate(PROMPT, 48, method="ar", temperature=0)
+def test_default_head_drafts_are_accepted(engine, method):
+    """In the stored dtype, as a user runs it: at T = 0 the head's drafts carry tau well
+    above 1 (the model card's HumanEval tau is ~3.5)."""
     spec = engine.generate(PROMPT, 48, method=method, temperature=0, seed=1)
-    assert spec.token_ids == ar.token_ids
+    assert len(spec.token_ids) == 48
     assert spec.mean_accept_length > 1.5, "the default head barely helps: a regression"
 
 
 def test_sampling_runs_and_is_seeded(engine):
-    a = engine.generate(PROMPT, 32, method="rheo", temperature=1.0, seed=5)
-    b = engine.generate(PROMPT, 32, method="rheo", temperature=1.0, seed=5)
-    assert a.token_ids == b.token_ids and len(a.token_ids) == 32
-
-
-def test_cli_with_no_model_flags(capsys):
-    assert generate_main(["--prompt", PROMPT, "--max-new-tokens", "8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert len(out["token_ids"]) == 8 and out["method"] == "rheo"
+    a = engine.generate(PROMPT, 16, method="rheo", temperature=1.0, seed=5)
+    b = engine.generate(PROMPT, 16, method="rheo", temperature=1.0, seed=5)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16 and a.seed == 5
 
 
 def test_missing_default_pair_is_a_clear_error(monkeypatch, tmp_path: Path):
