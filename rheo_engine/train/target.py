@@ -30,7 +30,7 @@ import torch
 
 from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.train.checkpoint import Budget, atomic_folder, load_checkpoint, save_checkpoint
-from rheo_engine.train.corpus import load_corpus
+from rheo_engine.train.corpus import Corpus, load_corpus
 from rheo_engine.train.data import TokenStreams, build_streams, train_tokenizer
 from rheo_engine.train.model import TinyLlama
 
@@ -314,7 +314,16 @@ def train(cfg: TrainConfig, opts: RunOptions) -> dict:
         raise ValueError(f"--stop-at={opts.stop_at} must be in [1, --steps={cfg.steps}]")
     check_paths(opts.out, opts.work, opts.resume)
     corpus = load_corpus(opts.corpus)
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(opts.threads)
+    try:
+        return _train(cfg, opts, corpus, budget)
+    finally:
+        torch.set_num_threads(threads_before)  # a library call leaves the process as it was
+
+
+def _train(cfg: TrainConfig, opts: RunOptions, corpus: Corpus, budget: Budget) -> dict:
+    """The recipe after its inputs were checked, with torch set to opts.threads."""
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as scratch:
         if opts.work is not None:
