@@ -427,7 +427,7 @@ def pair(stories_dir: Path, stories_head_dir: Path) -> list[str]:
     return ["--target", str(stories_dir), "--draft", str(stories_head_dir)]
 
 
-def test_e2e_stories_outputs_every_method_with_speedup(pair, tmp_path, capsys):
+def _e2e_stories_outputs_every_method_with_speedup(pair, tmp_path, capsys):
     out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
     e2e.main([*pair, "--prompts", "stories", "--limit", "1", "--seeds", "2",
               "--max-new-tokens", "6", *SMALL_TREE, "--out", str(out), "--md", str(md),
@@ -448,7 +448,7 @@ def test_e2e_stories_outputs_every_method_with_speedup(pair, tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out  # the table is printed too
 
 
-def test_e2e_stories_question_sets_cut_long_prompts(pair, shared_dir, stories_dir, tmp_path):
+def _e2e_stories_question_sets_cut_long_prompts(pair, stories_dir):
     data = e2e.main([*pair, "--prompts", "questions", "--sets", "sum", "qa", "--limit", "1",
                      "--methods", "ar", "rheo", "--seeds", "1", "--max-new-tokens", "4",
                      *SMALL_TREE, "--quiet"])  # fmt: skip
@@ -460,7 +460,7 @@ def test_e2e_stories_question_sets_cut_long_prompts(pair, shared_dir, stories_di
     assert set(data["summary"]["rheo"]) == {"sum", "qa", "average"}
 
 
-def test_table4_stories_on_real_contexts(pair, tmp_path):
+def _table4_stories_on_real_contexts(pair, tmp_path):
     out, md = tmp_path / "t4.json", tmp_path / "t4.md"
     data = table4.main([*pair, "--prompts", "stories", "--limit", "1", "--max-new-tokens", "5",
                         "--out", str(out), "--md", str(md)])  # fmt: skip
@@ -468,9 +468,21 @@ def test_table4_stories_on_real_contexts(pair, tmp_path):
     _check_table4(data, md)
 
 
-def test_ablations_stories_write_their_files(pair, tmp_path):
+def _ablations_stories_write_their_files(pair, tmp_path):
     payloads = _run_ablations([*pair, "--prompts", "stories"], tmp_path)
     assert payloads["S"]["results"]["support"] == [16, 512]
+
+
+def test_benches_on_stories260K(pair, stories_dir, tmp_path, capsys):
+    """One test for the four stories260K variants, so a clone without ../shared skips once:
+    e2e on story openings and on question sets (a prompt cut to the context), table4 and the
+    ablations on real contexts."""
+    for sub in ("e2e", "t4"):
+        (tmp_path / sub).mkdir()
+    _e2e_stories_outputs_every_method_with_speedup(pair, tmp_path / "e2e", capsys)
+    _e2e_stories_question_sets_cut_long_prompts(pair, stories_dir)
+    _table4_stories_on_real_contexts(pair, tmp_path / "t4")
+    _ablations_stories_write_their_files(pair, tmp_path / "ablations")
 
 
 # --- gpu_check.sh ----------------------------------------------------------------------------
