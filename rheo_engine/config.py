@@ -105,6 +105,20 @@ def json_int_list(d: dict, name: str, source: str, lone: bool = False) -> list[i
     return value
 
 
+def json_head_dim(d: dict, hidden: int, heads: int, source: str, who: str = "") -> int:
+    """``head_dim`` of a config.json, else hidden / heads (HF's rule) when that divides;
+    ``who`` prefixes the field names in the message (e.g. "head ")."""
+    head_dim = json_field(d, "head_dim", int, source, None)
+    if head_dim is not None:
+        return head_dim
+    if heads >= 1 and hidden % heads:  # heads < 1 is refused by the config's __post_init__
+        raise ValueError(
+            f"{who}hidden_size={hidden} is not a multiple of num_attention_heads={heads} and "
+            f"{source} has no head_dim; add head_dim"
+        )
+    return hidden // max(heads, 1)
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """How the draft tree is grown (DESIGN.md §2.2). Defaults are the paper's setting."""
@@ -313,14 +327,7 @@ class ModelConfig:
             raise ValueError(f"{source} lacks {missing}; add them (HF LlamaConfig fields)")
         size = {k: json_field(d, k, int, source) for k in required}
         H, hidden = size["num_attention_heads"], size["hidden_size"]
-        head_dim = json_field(d, "head_dim", int, source, None)
-        if head_dim is None:
-            if H >= 1 and hidden % H:  # H < 1 is refused by __post_init__
-                raise ValueError(
-                    f"hidden_size={hidden} is not a multiple of num_attention_heads={H} and "
-                    f"{source} has no head_dim; add head_dim"
-                )
-            head_dim = hidden // max(H, 1)
+        head_dim = json_head_dim(d, hidden, H, source)
         rope = json_field(d, "rope_parameters", dict, source, {})
         theta = json_field(rope, "rope_theta", float, f"{source} rope_parameters", None)
         if theta is None:

@@ -109,3 +109,72 @@ def stories_trained_head(stories_dir: Path, tmp_path_factory: pytest.TempPathFac
                           warmup=15, lr=8e-3)  # fmt: skip
     train_head(stories_dir, out, cfg, minutes=1.5, threads=1, log_every=1000)
     return out
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    """The embedded default pair as shipped (bf16), loaded with no arguments, on one thread
+    (the models are small: one thread is fastest, and spares CI's shared cores)."""
+    import torch
+
+    from rheo_engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained()
+    torch.set_num_threads(threads)
+
+
+# --- a tiny random pair (test_context.py, test_engine_inputs.py) --------------------------------
+
+TINY_CONTEXT = 48
+
+
+def tiny_config(context: int = TINY_CONTEXT) -> dict:
+    """config.json of a tiny Llama over the default pair's 4096-token tokenizer."""
+    return dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    )  # fmt: skip
+
+
+def write_tiny_pair(out: Path, context: int = TINY_CONTEXT, seed: int = 0) -> tuple[Path, Path]:
+    """A random fp32 target (normal(0, 0.1) matrices, unit norms) with the default pair's
+    tokenizer, and a fresh EAGLE-3 head fusing its three layers: (target_dir, draft_dir)."""
+    import json
+    import shutil
+
+    import torch
+
+    from rheo_engine.config import ModelConfig
+    from rheo_engine.engine import DEFAULT_PAIR
+    from rheo_engine.io.weights import save_safetensors
+    from rheo_engine.models.llama import expected_shapes
+
+    target = out / "target"
+    target.mkdir(parents=True)
+    d = tiny_config(context)
+    (target / "config.json").write_text(json.dumps(d))
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.1
+        for name, shape in expected_shapes(ModelConfig.from_dict(d)).items()
+    }
+    save_safetensors(weights, target / "model.safetensors")
+    shutil.copy(DEFAULT_PAIR / "target" / "tokenizer.model", target / "tokenizer.model")
+    return target, write_fresh_head(target, out / "draft", (0, 1, 2), seed, 0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny pair as an Engine, on one thread."""
+    import torch
+
+    from rheo_engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(*write_tiny_pair(tmp_path_factory.mktemp("tiny")))
+    torch.set_num_threads(threads)

@@ -11,62 +11,22 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_fresh_head
+from conftest import TINY_CONTEXT as CONTEXT
 
 from rheo_engine import Engine
-from rheo_engine.config import ModelConfig, TreeConfig
+from rheo_engine.config import TreeConfig
 from rheo_engine.engine import DEFAULT_PAIR
-from rheo_engine.io.weights import save_safetensors
 from rheo_engine.loop import fit_tree
-from rheo_engine.models.llama import expected_shapes
 
-CONTEXT = 48
 TREE = dict(topk=2, depth=3, total_tokens=8)
 # topk=1, leads=0: each pool is the sampled token alone, so the tree is a chain; with a
 # support as large as V and a head about as flat as the target, p(Y) / q~(Y) is near 1 and
 # whole chains are accepted at T = 1 (deep steps right up to the end of the context).
 CHAIN = dict(topk=1, depth=5, total_tokens=6, leads=0, support=4096)
 NEW_TOKENS = (1, 3, 100)
-
-
-def tiny_config(context: int = CONTEXT) -> dict:
-    """config.json of a tiny Llama over the default pair's 4096-token tokenizer."""
-    return dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=32,
-        intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
-    )  # fmt: skip
-
-
-def write_tiny_pair(out: Path, context: int = CONTEXT, seed: int = 0) -> tuple[Path, Path]:
-    """A random fp32 target (normal(0, 0.1) matrices, unit norms) with the default pair's
-    tokenizer, and a fresh EAGLE-3 head fusing its three layers: (target_dir, draft_dir)."""
-    target = out / "target"
-    target.mkdir(parents=True)
-    d = tiny_config(context)
-    (target / "config.json").write_text(json.dumps(d))
-    g = torch.Generator().manual_seed(seed)
-    weights = {
-        name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.1
-        for name, shape in expected_shapes(ModelConfig.from_dict(d)).items()
-    }
-    save_safetensors(weights, target / "model.safetensors")
-    shutil.copy(DEFAULT_PAIR / "target" / "tokenizer.model", target / "tokenizer.model")
-    return target, write_fresh_head(target, out / "draft", (0, 1, 2), seed, 0.1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.from_pretrained(*write_tiny_pair(tmp_path_factory.mktemp("tiny")))
-    torch.set_num_threads(threads)
 
 
 def prompt_of(n: int, seed: int = 0) -> list[int]:

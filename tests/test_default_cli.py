@@ -13,7 +13,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from rheo_engine import Engine
 from rheo_engine.generate import main as generate_main
@@ -25,11 +24,8 @@ JSON_FIELDS = {"text", "token_ids", "method", "steps", "mean_accept_length", "to
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.from_pretrained()
-    torch.set_num_threads(threads)
+def engine(default_engine: Engine) -> Engine:
+    return default_engine
 
 
 def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from rheo_engine import Engine
 from rheo_engine.engine import DEFAULT_PAIR
@@ -17,11 +16,8 @@ PROMPT = "def quicksort(xs):"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.from_pretrained()
-    torch.set_num_threads(threads)
+def engine(default_engine: Engine) -> Engine:
+    return default_engine
 
 
 def test_committed_size_is_within_budget():

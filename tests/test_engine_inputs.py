@@ -1,24 +1,16 @@
 """What a caller hands the engine: seeds, prompts, devices, total_tokens=1, and the tau that
 comes back. Bad input is one ValueError line naming the value, the rule and the fix.
 
-Runs on the tiny random pair of test_context.py (48-token context, fresh EAGLE-3 head).
+Runs on the tiny random pair of conftest.py (48-token context, fresh EAGLE-3 head).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_context import CHAIN, TREE, prompt_of, write_tiny_pair
+from test_context import CHAIN, TREE, prompt_of
 
 from rheo_engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.from_pretrained(*write_tiny_pair(tmp_path_factory.mktemp("tiny")))
-    torch.set_num_threads(threads)
 
 
 def one_line_error(call, match: str) -> str:

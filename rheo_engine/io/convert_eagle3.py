@@ -10,12 +10,10 @@ Tensors are written unchanged: names, dtypes (d2t int64, t2d bool) and values.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
@@ -76,31 +74,12 @@ def convert_eagle3(src_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (the usage is on --help), as in io/convert.py."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message}; see --help\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The same as ``python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR``."""
-    parser = _Parser(
-        prog="python -m rheo_engine.io.convert_eagle3", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("src_dir", help="official head: config.json + pytorch_model.bin")
-    parser.add_argument("out_dir", help="new directory for config.json + model.safetensors")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help (0) or a bad argument (2, already said in one line)
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        out = convert_eagle3(args.src_dir, args.out_dir)
-    except (ValueError, OSError) as err:  # bad input, said in one line (no traceback)
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
-    return 0
+    """The same as ``python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR`` (one CLI, one
+    set of error rules)."""
+    from rheo_engine.io.convert import main as convert_main  # convert.py imports this module
+
+    return convert_main(["eagle3", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from rheo_engine.config import json_field, json_int_list, read_json_object
+from rheo_engine.config import json_field, json_head_dim, json_int_list, read_json_object
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache
 
@@ -111,14 +111,7 @@ class HeadConfig:
                 "remove rope_scaling from the head's config.json if it was trained without it"
             )
         H, heads = size["hidden_size"], size["num_attention_heads"]
-        head_dim = json_field(d, "head_dim", int, source, None)
-        if head_dim is None:
-            if heads >= 1 and H % heads:  # heads < 1 is refused by __post_init__
-                raise ValueError(
-                    f"head hidden_size={H} is not a multiple of num_attention_heads={heads} and "
-                    f"{source} has no head_dim; add head_dim"
-                )
-            head_dim = H // max(heads, 1)
+        head_dim = json_head_dim(d, H, heads, source, "head ")
         key = "eagle_aux_hidden_state_layer_ids"
         layer_ids = json_int_list(d, key, source)
         if layer_ids is None:
