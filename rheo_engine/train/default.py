@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target-steps", type=int, default=1200, help="stage 1 schedule")
     p.add_argument("--head-minutes", type=float, default=12.0, help="stage 2 budget")
     p.add_argument("--long-target-minutes", type=float, default=40.0, help="stage 3 budget")
-    p.add_argument("--long-head-minutes", type=float, default=18.0, help="stage 4 budget")
+    p.add_argument("--long-head-minutes", type=float, default=40.0, help="stage 4 budget")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue the checkpoints in --work")
     args = p.parse_args(argv)
