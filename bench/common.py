@@ -17,17 +17,33 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from inputs import ROOT
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rheo_engine import Engine, kernels
 from rheo_engine.engine import Generation
 
 METHODS: tuple[str, ...] = ("ar", "topk", "rrsw", "rheo")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched inside ``with`` (a kernel launch each on a GPU) and
+    the host reads among them (aten._local_scalar_dense: item(), int(), bool() of a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.host_reads += 1
+        return func(*args, **(kwargs or {}))
 
 
 # --- conditions -----------------------------------------------------------------------------
@@ -117,6 +133,9 @@ class Record:
     draft_s: float
     head_s: float
     target_s: float
+    trees: dict[str, int] = field(default_factory=dict)  # "N/depth" -> steps ("1/0": plain)
+    predicted_s: float = 0.0  # the auto tree's predicted step times, summed (0 when fixed)
+    prefill_s: float = 0.0
 
 
 def run_interleaved(
@@ -164,6 +183,9 @@ def run_interleaved(
                             t.draft_s,
                             t.head_s,
                             t.target_s,
+                            {f"{n}/{d}": c for (d, n), c in gen.trees.shapes.items()},
+                            gen.trees.predicted_s,
+                            gen.prefill_s,
                         )
                     )
                     taus[label] = produced(gen) / max(1, gen.steps)
@@ -189,6 +211,21 @@ def _progress(done: int, total: int, start: float, where: str, taus: dict[str, f
 
 
 # --- summary --------------------------------------------------------------------------------
+
+
+def tree_histogram(records: list[Record], label: str, top: int = 3) -> str:
+    """The ``top`` most used trees of a configuration, e.g. 'N=1 71%, N=8/d3 20%, ...'."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.label == label:
+            for shape, c in r.trees.items():
+                counts[shape] = counts.get(shape, 0) + c
+    total = sum(counts.values()) or 1
+    parts = []
+    for shape, c in sorted(counts.items(), key=lambda kv: -kv[1])[:top]:
+        n, d = shape.split("/")
+        parts.append(f"N={n}{'' if n == '1' else '/d' + d} {100 * c / total:.0f}%")
+    return ", ".join(parts)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

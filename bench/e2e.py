@@ -29,6 +29,7 @@ from common import (
     markdown_table,
     run_interleaved,
     summarize,
+    tree_histogram,
     write_outputs,
 )
 from inputs import (
@@ -67,10 +68,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def table(summary: dict[str, dict[str, dict]], sets: list[str]) -> str:
+def table(
+    summary: dict[str, dict[str, dict]], sets: list[str], trees: dict[str, str] | None = None
+) -> str:
     """Table 2 layout: tau mean±std per set, then the average tau, the tokens emitted it was
-    measured over (all questions and seeds), tokens/s and speedup."""
+    measured over (all questions and seeds), tokens/s and speedup; with ``trees`` (auto tree
+    runs) a last column of the trees most used."""
     headers = ["method", *(f"{s} τ" for s in sets), "avg τ", "tokens", "tokens/s", "speedup"]
+    headers += ["trees"] if trees else []
     rows = []
     for label, per_set in summary.items():
         avg = per_set["average"]
@@ -83,6 +88,7 @@ def table(summary: dict[str, dict[str, dict]], sets: list[str]) -> str:
                 str(avg["tokens"]),
                 f"{avg['tokens_per_s']:.1f}",
                 speedup,
+                *([trees[label]] if trees else []),
             ]
         )
     return markdown_table(headers, rows)
@@ -132,7 +138,10 @@ def run(args: argparse.Namespace) -> dict:
         progress=not args.quiet,
     )
     summary = summarize(records, "ar")
-    md = table(summary, list(prompts))
+    trees = None
+    if args.tree == "auto":
+        trees = {label: tree_histogram(records, label) for label in configs}
+    md = table(summary, list(prompts), trees)
     print(md, end="")
     payload = {"conditions": cond, "summary": summary, "records": records}
     write_outputs(args.out, args.md, payload, md)

@@ -30,6 +30,8 @@ PAIRS: dict[str, tuple[Path, Path]] = {
         ROOT / ".cache" / "stories260K" / "target",
         ROOT / ".cache" / "stories260K" / "head",
     ),
+    # The default pair embedded in a ~1B-parameter-compute Llama with identical outputs.
+    "widened": (ROOT / ".cache" / "widened" / "target", ROOT / ".cache" / "widened" / "draft"),
 }
 # How to make each half of a pair (README.md, "Training"), said when it is missing.
 _LLAMA2C = "../shared/fixtures/llama2c"
@@ -41,6 +43,7 @@ MAKE: dict[str, tuple[str, str]] = {
         "python -m rheo_engine.train.head --target .cache/stories260K/target --out "
         ".cache/stories260K/head --feature-layers 1,2,3 --minutes 15 --threads 1",
     ),
+    "widened": ("python -m rheo_engine.io.convert widen weights/default .cache/widened",) * 2,
 }
 # stories260K knows only children's stories: the question sets are out of its domain.
 STORY_OPENINGS: tuple[str, ...] = (
@@ -320,7 +323,8 @@ def add_model_args(p: argparse.ArgumentParser, default_pair: str = "default") ->
         "--pair",
         default=default_pair,
         choices=sorted(PAIRS),
-        help="default: weights/default; stories: .cache/stories260K/{target,head}",
+        help="default: weights/default; stories: .cache/stories260K/{target,head}; widened: "
+        ".cache/widened/{target,draft}",
     )
     p.add_argument("--target", help="HF Llama target directory (overrides --pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (overrides --pair)")
@@ -351,8 +355,14 @@ def add_prompt_args(p: argparse.ArgumentParser, default_sets: tuple[str, ...] = 
     p.set_defaults(default_sets=list(default_sets))
 
 
-def add_tree_args(p: argparse.ArgumentParser) -> None:
-    """The draft tree (TreeConfig, which checks the values); defaults are the paper's setting."""
+def add_tree_args(p: argparse.ArgumentParser, tree: str = "fixed") -> None:
+    """The draft tree (TreeConfig, which checks the values); defaults are the paper's setting:
+    the fixed 60/8/10 tree where a bench reproduces the paper, else ``tree``."""
+    p.add_argument(
+        "--tree", choices=("auto", "fixed"), default=tree,
+        help=f"fixed: exactly --topk/--depth/--total-tokens every step; auto: the cost model's "
+        f"tree within them (default {tree})",
+    )  # fmt: skip
     p.add_argument("--topk", type=int, default=10, help="nodes expanded per level, K")
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--total-tokens", type=int, default=60)
@@ -360,6 +370,6 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
 
 
-def tree_options(args: argparse.Namespace) -> dict[str, int]:
-    keys = ("topk", "depth", "total_tokens", "leads", "support")
+def tree_options(args: argparse.Namespace) -> dict[str, int | str]:
+    keys = ("tree", "topk", "depth", "total_tokens", "leads", "support")
     return {k: getattr(args, k) for k in keys}

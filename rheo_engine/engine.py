@@ -7,6 +7,7 @@ nothing but the read-only kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections.abc import Iterator
@@ -17,12 +18,25 @@ import torch
 
 from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
+from rheo_engine.draft import draft_tree, pool_kind, root_only_tree
 from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.kv_cache import KVCache
-from rheo_engine.loop import StepTimes, fit_tree, resolve_seed, speculative_step
+from rheo_engine.loop import StepTimes, resolve_seed, speculative_step
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.tree_policy import (
+    AutoTree,
+    CostProfile,
+    FixedTree,
+    TreePolicy,
+    TreeUsage,
+    measure_profile,
+    profile_key,
+)
+from rheo_engine.verify import verify_tree
+
+TREES = ("auto", "fixed")
 
 DEFAULT_PAIR = Path(__file__).resolve().parents[1] / "weights" / "default"
 
@@ -42,6 +56,8 @@ class Generation:
     seed: int  # the Philox seed used (fresh for seed=None/-1): pass it back to reproduce the run
     times: StepTimes = field(default_factory=StepTimes)
     prefill_s: float = 0.0
+    tree: str = "auto"  # "auto" (the cost model's tree per step) or "fixed"
+    trees: TreeUsage = field(default_factory=TreeUsage)  # steps per tree shape, step times
 
     @property
     def steps(self) -> int:
@@ -131,6 +147,8 @@ class Engine:
                 f"{target.cfg.vocab_size}; use the tokenizer.model that came with the target"
             )
         self.target, self.head, self.tokenizer = target, head, tokenizer
+        # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
+        self.cost_profiles: dict[str, CostProfile] = {}
 
     @classmethod
     def from_pretrained(
@@ -175,7 +193,14 @@ class Engine:
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted. Options: method="rheo", temperature=1.0,
         top_p=1.0, top_k=0, seed=None, topk=10, depth=8, total_tokens=60, leads=1,
-        support=128, chat=False.
+        support=128, chat=False, tree="auto", cost_profile=None.
+
+        ``tree="auto"`` (the default) lets a cost model measured on this machine pick each
+        step's tree (depth <= depth, nodes <= total_tokens, topk as given) or a plain step when
+        no tree pays; ``tree="fixed"`` drafts exactly topk/depth/total_tokens every step (the
+        paper's setting). ``cost_profile`` is a CostProfile, or a JSON path: read if it exists,
+        else measured and written there; without one the engine measures once per (model,
+        device, dtype, threads) and keeps it. A seeded run reproduces given the same profile.
 
         ``seed`` is an int in [0, 2**64); None or -1 draws a fresh one (Generation.seed says
         which). ``total_tokens=1`` (a tree of the root alone) is a plain autoregressive run
@@ -243,9 +268,20 @@ class Request:
         leads: int = 1,
         support: int = 128,
         chat: bool = False,
+        tree: str = "auto",
+        cost_profile: str | Path | CostProfile | None = None,
     ) -> None:
         self.engine = engine
         self.tree_cfg = TreeConfig(method, topk, depth, total_tokens, leads, support)  # type: ignore[arg-type]
+        if tree not in TREES:
+            raise ValueError(
+                f"tree={tree!r} is not one of {list(TREES)}: 'auto' lets the cost model pick "
+                "each step's tree within topk/depth/total_tokens, 'fixed' drafts exactly that tree"
+            )
+        self.tree = tree
+        self.cost_profile = cost_profile
+        if isinstance(cost_profile, (str, Path)) and Path(cost_profile).exists():
+            self.cost_profile = CostProfile.load(cost_profile)
         self.sampling = SamplingConfig(temperature, top_p, top_k)
         if method != "ar" and engine.head is None:
             raise ValueError(
@@ -271,6 +307,7 @@ class Request:
         self.seed = resolve_seed(seed)
         self.result: Generation | None = None
         self.prefill_s = 0.0
+        self.trees = TreeUsage()
 
     def _encode(self, prompt: str | list[int] | torch.Tensor, chat: bool) -> list[int]:
         tok = self.engine.tokenizer
@@ -307,7 +344,8 @@ class Request:
         self.result = Generation(
             text=self.engine.tokenizer.decode(out), token_ids=out, accept_lengths=accept_lengths,
             method=self.tree_cfg.method, wall_s=time.perf_counter() - start, stop_reason=stop,
-            seed=self.seed, times=times, prefill_s=self.prefill_s,
+            seed=self.seed, times=times, prefill_s=self.prefill_s, tree=self.tree,
+            trees=self.trees,
         )  # fmt: skip
 
     def _cut(self, emitted: list[int], have: int) -> tuple[list[int], str | None, int]:
@@ -342,26 +380,89 @@ class Request:
         t0 = time.perf_counter()
         root = self._prefill(runner, drafter, cache)
         self.prefill_s = time.perf_counter() - t0
-        step_cfg = ar_cfg = TreeConfig("ar")
+        ar_cfg = TreeConfig("ar")
+        policy: TreePolicy | None = None
         step, produced = 0, 0
         # The root of the next step sits at row cache.length: a step runs while it fits.
         while cache.length < self.context:
-            if head is not None:
-                # Lossless (DESIGN.md §2.4): the tree is fixed from what is known before the
-                # step (the free context rows, the tokens still wanted), never from its coins
-                # or logits; see fit_tree. A head needs one (feature, token) pair before it can
-                # draft, so the first step of a one-token prompt is a plain target step.
-                room, wanted = self.context - cache.length, self.max_new_tokens - produced
-                step_cfg = fit_tree(cfg, room, wanted) if drafter.length > 0 else ar_cfg
+            room, wanted = self.context - cache.length, self.max_new_tokens - produced
+            # A head needs one (feature, token) pair before it can draft, so the first step of
+            # a one-token prompt is a plain target step.
+            if head is not None and policy is None and drafter.length > 0:
+                policy = self._policy(runner, drafter, root, cache)
+            # Lossless (DESIGN.md §2.4): the policy fixes the tree from what is known before the
+            # step (the free context rows, the tokens still wanted, past steps and measured
+            # costs), never from its coins or logits; see tree_policy and loop.fit_tree.
+            step_cfg = ar_cfg if policy is None else policy.choose(room, wanted)
+            start = time.perf_counter()
             result = speculative_step(
                 runner, drafter, root, torch.tensor([cache.length]), step_cfg, self.sampling,
                 self.seed, step, None if head is None else head.draft_to_target,
             )  # fmt: skip
+            seconds = time.perf_counter() - start
+            if policy is not None:
+                policy.observe(step_cfg, result.draft.tree, result.verdict, seconds)
+            self.trees.add(step_cfg, getattr(policy, "predicted_s", None), seconds)
             times.add(result.times)
             root = result.verdict.bonus_token.long()
             step += 1
             produced += len(result.emitted[0])
             yield result.emitted[0]
+
+    def _policy(self, runner: _TargetRunner, drafter, root: torch.Tensor, cache: KVCache):
+        """The fixed tree, or the cost model over a profile: given, cached by the engine for
+        this (model, device, dtype, threads, pool), or measured now on this request's state."""
+        if self.tree == "fixed":
+            return FixedTree(self.tree_cfg)
+        engine, cfg = self.engine, self.tree_cfg
+        head = engine.head
+        assert head is not None
+        pool = pool_kind(cfg.method, self.sampling.temperature)
+        key = profile_key(
+            engine.target.cfg, head.cfg, engine.target.device, engine.target.dtype, pool, cfg.topk
+        )
+        profile = self.cost_profile
+        if isinstance(profile, CostProfile):
+            if profile.key != key:
+                raise ValueError(
+                    f"cost profile measured for '{profile.key}' but this request runs '{key}'; "
+                    "omit cost_profile= (or delete the file) to measure here, or pass a match"
+                )
+        else:
+            profile = engine.cost_profiles.get(key)
+        if profile is None:
+            profile = self._measure(runner, drafter, root, cache, key)
+            if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
+                engine.cost_profiles[key] = profile  # covers every tree: reuse it
+            if isinstance(self.cost_profile, (str, Path)):
+                profile.save(self.cost_profile)
+        return AutoTree(cfg, profile)
+
+    def _measure(self, runner, drafter, root, cache: KVCache, key: str) -> CostProfile:
+        cfg, head = self.tree_cfg, self.engine.head
+        prefix = torch.tensor([cache.length])
+        # Coins of a step index no request reaches, so the times measured (which the trees of
+        # this request depend on) share no randomness with any step.
+        probe_step = 2**40
+
+        def draft(depth: int, n: int):
+            if n == 1:
+                return root_only_tree(root, prefix)
+            n = min(n, 1 + cfg.topk + (depth - 1) * cfg.topk**2)  # what depth levels can grow
+            shape = dataclasses.replace(cfg, depth=depth, total_tokens=n)
+            return draft_tree(
+                drafter, root, prefix, shape, self.sampling.temperature, self.seed, probe_step,
+                head.draft_to_target,
+            )  # fmt: skip
+
+        def verify(logits: torch.Tensor, dt) -> None:
+            verify_tree(logits, dt, cfg.method, self.sampling, self.seed, probe_step)
+
+        with torch.no_grad():
+            return measure_profile(
+                key, lambda tree: runner.forward_tree(tree)[0], draft, verify,
+                max_nodes=min(cfg.total_tokens, cache.free), max_depth=cfg.depth,
+            )  # fmt: skip
 
     def _prefill(self, runner: _TargetRunner, drafter, cache: KVCache) -> torch.Tensor:
         """Run the target over the prompt but its last token (the first root); seed the head."""

@@ -24,7 +24,7 @@ from typing import NoReturn
 import torch
 
 from rheo_engine.config import METHODS
-from rheo_engine.engine import Engine, Generation, Request
+from rheo_engine.engine import TREES, Engine, Generation, Request
 from rheo_engine.models.llama import parameter_count
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,7 +55,7 @@ def default_threads(n_params: int) -> int:
 # tests/test_cli.py checks it against the API's signatures).
 API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method", "temperature",
                "top_p", "top_k", "seed", "topk", "depth", "total_tokens", "leads", "support",
-               "chat")  # fmt: skip
+               "chat", "tree", "cost_profile")  # fmt: skip
 _SWITCHES = ("chat",)  # flags without a value (store_true)
 _NAMES = "|".join(sorted(API_OPTIONS, key=len, reverse=True))
 # `name=value` (value: a repr'd string or a run of plain characters), not inside a longer name.
@@ -123,6 +123,17 @@ def parser() -> argparse.ArgumentParser:
         help="tree size, root included; 1 = the root alone: a plain autoregressive run, the "
         "same as --method ar, with no draft-head forwards",
     )  # fmt: skip
+    p.add_argument(
+        "--tree", choices=TREES, default="auto",
+        help="auto (default): a cost model measured on this machine picks each step's tree "
+        "within --topk/--depth/--total-tokens, or a plain step when no tree pays; fixed: "
+        "exactly that tree every step (the paper's setting)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cost-profile", metavar="PATH",
+        help="the auto tree's measured costs as JSON: read if PATH exists, else measured and "
+        "written there (a seeded run reproduces with the same profile)",
+    )  # fmt: skip
     p.add_argument("--leads", type=int, default=1, help="m, deterministic leads per pool")
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
@@ -145,7 +156,8 @@ def _options(args: argparse.Namespace) -> dict:
     return dict(
         method=args.method, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, topk=args.topk, depth=args.depth, total_tokens=args.total_tokens,
-        leads=args.leads, support=args.support, chat=args.chat,
+        leads=args.leads, support=args.support, chat=args.chat, tree=args.tree,
+        cost_profile=args.cost_profile,
     )  # fmt: skip
 
 
@@ -214,7 +226,18 @@ def stats_line(gen: Generation, threads: int) -> str:
         f"tau {gen.mean_accept_length:.2f}, {gen.tokens_per_s:.1f} tokens/s, seed {gen.seed}, "
         f"threads {threads} (draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target "
         f"{t.target_s:.2f}s, verify {t.verify_s:.2f}s, commit {t.commit_s:.2f}s; "
-        f"stop: {gen.stop_reason})"
+        f"stop: {gen.stop_reason}); {gen.tree} trees {gen.trees.histogram()}" + _predicted(gen)
+    )
+
+
+def _predicted(gen: Generation) -> str:
+    """The cost model's step time next to the measured one (auto trees only)."""
+    u = gen.trees
+    if gen.tree != "auto" or not gen.steps or not u.predicted_s:
+        return ""
+    return (
+        f", step {1e3 * u.measured_s / gen.steps:.2f} ms measured vs "
+        f"{1e3 * u.predicted_s / gen.steps:.2f} ms predicted"
     )
 
 
@@ -227,6 +250,8 @@ def as_json(gen: Generation, prompt: str, threads: int) -> dict:
         "wall_s": gen.wall_s, "stop_reason": gen.stop_reason, "accept_lengths": gen.accept_lengths,
         "prefill_s": gen.prefill_s, "draft_s": t.draft_s, "head_s": t.head_s,
         "target_s": t.target_s, "verify_s": t.verify_s, "commit_s": t.commit_s,
+        "tree": gen.tree, "trees": {f"{n}/{d}": c for (d, n), c in gen.trees.shapes.items()},
+        "step_measured_s": gen.trees.measured_s, "step_predicted_s": gen.trees.predicted_s,
     }  # fmt: skip
 
 

@@ -27,6 +27,7 @@ TREE = dict(topk=2, depth=3, total_tokens=8)
 # whole chains are accepted at T = 1 (deep steps right up to the end of the context).
 CHAIN = dict(topk=1, depth=5, total_tokens=6, leads=0, support=4096)
 NEW_TOKENS = (1, 3, 100)
+FIXED = dict(tree="fixed")  # these tests are about fit_tree; the auto tree's are at the end
 
 
 def prompt_of(n: int, seed: int = 0) -> list[int]:
@@ -104,7 +105,9 @@ def ar_greedy(tiny: Engine) -> dict[tuple[int, int], object]:
 @pytest.mark.parametrize("method, tree", [("topk", TREE), ("rrsw", CHAIN), ("rheo", TREE)])
 def test_greedy_methods_match_ar_to_the_end_of_the_context(tiny, ar_greedy, method, tree):
     for (n, new), ar in ar_greedy.items():
-        gen = tiny.generate(prompt_of(n), new, method=method, temperature=0, seed=0, **tree)
+        gen = tiny.generate(
+            prompt_of(n), new, method=method, temperature=0, seed=0, **tree, **FIXED
+        )
         where = f"prompt {n}, max_new_tokens {new}"
         assert gen.token_ids == ar.token_ids, where
         assert gen.stop_reason == ar.stop_reason, where
@@ -116,7 +119,9 @@ def test_sampling_methods_emit_as_many_tokens_as_ar(tiny, method, tree):
     deep_near_end = 0
     for n in prompt_lengths(CONTEXT, tree["total_tokens"]):
         for new in NEW_TOKENS:
-            gen = tiny.generate(prompt_of(n), new, method=method, temperature=1.0, seed=n, **tree)
+            gen = tiny.generate(
+                prompt_of(n), new, method=method, temperature=1.0, seed=n, **tree, **FIXED
+            )
             check_counts(gen, n, new, CONTEXT)
             if n > CONTEXT - tree["total_tokens"]:
                 deep_near_end += any(a >= 3 for a in gen.accept_lengths)
@@ -126,7 +131,7 @@ def test_sampling_methods_emit_as_many_tokens_as_ar(tiny, method, tree):
 
 
 def test_a_prompt_longer_than_the_context_is_refused(tiny):
-    gen = tiny.generate(prompt_of(CONTEXT), 5, method="rheo", temperature=0, **TREE)
+    gen = tiny.generate(prompt_of(CONTEXT), 5, method="rheo", temperature=0, **TREE, **FIXED)
     assert len(gen.token_ids) == 1 and gen.stop_reason == "context"
     with pytest.raises(ValueError, match=f"context is {CONTEXT}; shorten the prompt"):
         tiny.request(prompt_of(CONTEXT + 1), 5, method="rheo")
@@ -150,9 +155,31 @@ def test_default_pair_runs_to_the_end_of_its_context():
     ids = engine.tokenizer.encode(text * (context // 8 + 1), bos=True)[: context - 24]
     try:
         ar = engine.generate(ids, 100, method="ar", temperature=0)
-        gen = engine.generate(ids, 100, method="rheo", temperature=0, seed=0)
+        gen = engine.generate(ids, 100, method="rheo", temperature=0, seed=0, **FIXED)
     finally:
         torch.set_num_threads(threads)
     assert gen.token_ids == ar.token_ids and gen.stop_reason == ar.stop_reason == "context"
     check_counts(gen, len(ids), 100, context)
     assert max(gen.accept_lengths) > 1, "no draft accepted: the shrunken trees were never walked"
+
+
+def test_auto_tree_emits_as_many_tokens_as_ar(tiny):
+    """The cost model's trees (made to look free, so every step drafts) are cut to the context
+    and to max_new_tokens too."""
+    from rheo_engine.draft import pool_kind
+    from rheo_engine.tree_policy import CostProfile, profile_key
+
+    key = profile_key(
+        tiny.target.cfg, tiny.head.cfg, tiny.target.device, tiny.target.dtype,
+        pool_kind("rheo", 1.0), TREE["topk"],
+    )  # fmt: skip
+    free = CostProfile(key, {1: 1.0, 8: 1.0}, 0.0, 0.0, {1: 0.0, 8: 0.0})
+    drafted = 0
+    for n in prompt_lengths(CONTEXT, TREE["total_tokens"]):
+        for new in NEW_TOKENS:
+            gen = tiny.generate(
+                prompt_of(n), new, method="rheo", temperature=1.0, seed=n, cost_profile=free, **TREE
+            )
+            check_counts(gen, n, new, CONTEXT)
+            drafted += sum(c for (d, size), c in gen.trees.shapes.items() if size > 1)
+    assert drafted > 0

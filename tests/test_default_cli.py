@@ -20,7 +20,7 @@ from rheo_engine.generate import main as generate_main
 PROMPT = "def quicksort(xs):"
 JSON_FIELDS = {"text", "token_ids", "method", "steps", "mean_accept_length", "tokens_per_s",
                "wall_s", "stop_reason", "draft_s", "head_s", "target_s", "verify_s",
-               "commit_s"}  # fmt: skip
+               "commit_s", "tree", "trees", "step_measured_s", "step_predicted_s"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 
 def test_json_has_the_documented_fields(engine, capsys):
     code, out, err = cli(capsys, "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature",
-                         "0", "--json")  # fmt: skip
+                         "0", "--json", "--tree", "fixed")  # fmt: skip
     assert code == 0
     lines = out.splitlines()
     assert len(lines) == 1, "--json prints exactly one object per prompt"
@@ -48,17 +48,33 @@ def test_json_has_the_documented_fields(engine, capsys):
     assert JSON_FIELDS <= set(got), JSON_FIELDS - set(got)
     assert got["method"] == "rheo" and got["stop_reason"] == "max_new_tokens"
     # The CLI is the API: the same defaults (rheo, the default tree), the same tokens.
-    want = engine.generate(PROMPT, 12, temperature=0)
+    want = engine.generate(PROMPT, 12, temperature=0, tree="fixed")
     assert got["token_ids"] == want.token_ids and got["text"] == want.text
     assert got["steps"] == want.steps and got["mean_accept_length"] > 1
     assert "tau" in err and "tokens/s" in err
+    assert got["tree"] == "fixed" and sum(got["trees"].values()) == got["steps"]
+
+
+def test_auto_tree_reports_its_trees(capsys, tmp_path):
+    """The default tree is auto: the stats line names the trees used and the predicted and
+    measured step times; --cost-profile writes the measured profile."""
+    profile = tmp_path / "profile.json"
+    code, out, err = cli(capsys, "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature",
+                         "0", "--json", "--cost-profile", str(profile))  # fmt: skip
+    assert code == 0 and profile.is_file()
+    got = json.loads(out)
+    assert got["tree"] == "auto" and sum(got["trees"].values()) == got["steps"]
+    assert got["step_predicted_s"] > 0 and got["step_measured_s"] > 0
+    code, out, err = cli(capsys, "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature",
+                         "0", "--cost-profile", str(profile))  # fmt: skip
+    assert "auto trees N=" in err and "ms predicted" in err
 
 
 def test_streams_the_text_then_one_stats_line(engine, capsys):
     code, out, err = cli(capsys, "--prompt", PROMPT, "--max-new-tokens", "12", "--seed", "1",
-                         "--method", "topk")  # fmt: skip
+                         "--method", "topk", "--tree", "fixed")  # fmt: skip
     assert code == 0
-    gen = engine.generate(PROMPT, 12, method="topk", seed=1)
+    gen = engine.generate(PROMPT, 12, method="topk", seed=1, tree="fixed")
     assert out == gen.text + "\n"
     (stats,) = err.splitlines()
     assert stats.startswith("[topk] 12 tokens in") and "tau" in stats and "tokens/s" in stats

@@ -28,8 +28,9 @@ from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.models.llama import LlamaModel
 
 SPEC_METHODS = ("topk", "rrsw", "rheo")
-SMALL_TREE = dict(topk=4, depth=3, total_tokens=10)
-TREES = {"default": {}, "small": SMALL_TREE}  # the default tree: topk 10, depth 8, 60 nodes
+SMALL_TREE = dict(topk=4, depth=3, total_tokens=10, tree="fixed")
+FIXED = dict(tree="fixed")  # tests of tree behaviour draft the tree they name, every step
+TREES = {"default": FIXED, "small": SMALL_TREE}  # the default tree: topk 10, depth 8, 60 nodes
 GREEDY_PROMPTS = ["def quicksort(xs):", "class Stack:\n"]
 GREEDY_TOKENS = 64
 
@@ -110,7 +111,7 @@ def test_fp32_greedy_to_the_end_of_the_context(engine32):
     context = engine32.target.cfg.max_position_embeddings
     ids = engine32.tokenizer.encode("import os\n" * context)[: context - 20]
     ar = engine32.generate(ids, 100, method="ar", temperature=0)
-    rheo = engine32.generate(ids, 100, method="rheo", temperature=0, seed=0)
+    rheo = engine32.generate(ids, 100, method="rheo", temperature=0, seed=0, **FIXED)
     assert ar.stop_reason == rheo.stop_reason == "context"
     assert rheo.token_ids == ar.token_ids and len(ar.token_ids) >= 20
 
@@ -141,8 +142,8 @@ def test_bf16_greedy_is_deterministic_and_leaves_ar_only_at_near_ties(engine, en
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     assert 0 < E and margin < statistics.median(gaps) and margin < 1.0, (E, gaps)
     for method in SPEC_METHODS:
-        first = engine.generate(ids, n, method=method, temperature=0, seed=0).token_ids
-        again = engine.generate(ids, n, method=method, temperature=0, seed=1).token_ids
+        first = engine.generate(ids, n, method=method, temperature=0, seed=0, **FIXED).token_ids
+        again = engine.generate(ids, n, method=method, temperature=0, seed=1, **FIXED).token_ids
         assert first == again, (method, "not deterministic run to run")
         assert len(first) == len(ar)
         differ = [i for i, (a, b) in enumerate(zip(ar, first, strict=True)) if a != b]
@@ -157,7 +158,7 @@ G_PROMPT = "for i in"  # code whose next two tokens are far from deterministic
 G_RUNS = 300  # seeds per case: enough for the negative control below to be rejected
 # The first two tokens are decided at tree levels 1 and 2 (deeper nodes only feed the third), so
 # a depth-2 tree exercises every verification step they go through, at the least cost.
-G_TREE = dict(topk=4, depth=2, total_tokens=10)
+G_TREE = dict(topk=4, depth=2, total_tokens=10, tree="fixed")
 
 
 def first_two_law(engine: Engine, ids: list[int], T: float, top_p: float, runs: int):
@@ -326,7 +327,7 @@ def stories_engine(stories_dir, stories_trained_head) -> Engine:
 
 def test_stories_greedy_equals_llama2c_golden(stories_engine):
     for method in ("ar", *SPEC_METHODS):
-        for tree in ({}, SMALL_TREE, dict(topk=1, depth=1, total_tokens=2, leads=0)):
+        for tree in (FIXED, SMALL_TREE, dict(topk=1, depth=1, total_tokens=2, leads=0, **FIXED)):
             gen = stories_engine.generate(STORIES_PROMPT, 32, method=method, temperature=0,
                                           seed=3, **tree)  # fmt: skip
             assert gen.token_ids == STORIES_GOLDEN_32, (method, tree)

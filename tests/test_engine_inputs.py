@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_context import CHAIN, TREE, prompt_of
+from test_context import CHAIN, FIXED, TREE, prompt_of
 
 from rheo_engine import Engine
 
@@ -29,17 +29,17 @@ PROMPT = prompt_of(6)
 
 @pytest.mark.parametrize("seed", [None, -1])
 def test_a_fresh_seed_is_reported_and_reproduces_the_run(tiny, seed):
-    first = tiny.generate(PROMPT, 12, temperature=1.0, seed=seed, **CHAIN)
-    second = tiny.generate(PROMPT, 12, temperature=1.0, seed=seed, **CHAIN)
+    first = tiny.generate(PROMPT, 12, temperature=1.0, seed=seed, **CHAIN, **FIXED)
+    second = tiny.generate(PROMPT, 12, temperature=1.0, seed=seed, **CHAIN, **FIXED)
     assert 0 <= first.seed < 2**64 and first.seed != second.seed
-    again = tiny.generate(PROMPT, 12, temperature=1.0, seed=first.seed, **CHAIN)
+    again = tiny.generate(PROMPT, 12, temperature=1.0, seed=first.seed, **CHAIN, **FIXED)
     assert again.seed == first.seed and again.token_ids == first.token_ids
     assert again.accept_lengths == first.accept_lengths
 
 
 def test_seeds_at_both_ends_of_the_range_run(tiny):
     for seed in (0, 2**64 - 1):
-        assert tiny.generate(PROMPT, 4, temperature=1.0, seed=seed, **CHAIN).seed == seed
+        assert tiny.generate(PROMPT, 4, temperature=1.0, seed=seed, **CHAIN, **FIXED).seed == seed
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_total_tokens_1_never_runs_the_head(tiny, monkeypatch, method):
         # The same plain steps as ar, on the same coins: the same tokens even when sampling.
         assert gen.token_ids == ar[T].token_ids and gen.accept_lengths == [1] * 10
     assert sum(calls.values()) == 0, calls
-    tiny.generate(PROMPT, 3, method=method, temperature=0, seed=4, **TREE)
+    tiny.generate(PROMPT, 3, method=method, temperature=0, seed=4, **TREE, **FIXED)
     assert min(calls.values()) > 0, f"the counters miss head calls: {calls}"
 
 
@@ -130,7 +130,7 @@ def test_tokens_drafted_past_an_eos_do_not_count(tiny, monkeypatch, at):
     """Make the at-th token of a step that produced at least 3 an EOS: the rerun (same seed,
     so the same steps) stops there and counts that step as at + 1 tokens, not 3 or more."""
     for seed in range(20):
-        gen = tiny.generate(PROMPT, 30, method="rheo", temperature=1.0, seed=seed, **CHAIN)
+        gen = tiny.generate(PROMPT, 30, method="rheo", temperature=1.0, seed=seed, **CHAIN, **FIXED)
         starts = [sum(gen.accept_lengths[:k]) for k in range(gen.steps)]
         ids = gen.token_ids
         found = [
@@ -144,7 +144,7 @@ def test_tokens_drafted_past_an_eos_do_not_count(tiny, monkeypatch, at):
     k = found[0]
     eos = gen.token_ids[starts[k] + at]
     monkeypatch.setattr(tiny.tokenizer, "eos_ids", (eos,))
-    cut = tiny.generate(PROMPT, 30, method="rheo", temperature=1.0, seed=seed, **CHAIN)
+    cut = tiny.generate(PROMPT, 30, method="rheo", temperature=1.0, seed=seed, **CHAIN, **FIXED)
     assert cut.stop_reason == "eos" and cut.token_ids == gen.token_ids[: starts[k] + at]
     assert cut.accept_lengths == gen.accept_lengths[:k] + [at + 1]
     assert sum(cut.accept_lengths) == len(cut.token_ids) + 1
@@ -152,7 +152,7 @@ def test_tokens_drafted_past_an_eos_do_not_count(tiny, monkeypatch, at):
 
 def test_no_step_counts_tokens_past_max_new_tokens(tiny):
     for new in (1, 2, 4, 7):
-        gen = tiny.generate(PROMPT, new, method="rheo", temperature=1.0, seed=1, **CHAIN)
+        gen = tiny.generate(PROMPT, new, method="rheo", temperature=1.0, seed=1, **CHAIN, **FIXED)
         if gen.stop_reason != "eos":
             assert len(gen.token_ids) == sum(gen.accept_lengths) == new
 

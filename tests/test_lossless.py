@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.draft import DraftTree, draft_tree, pool_kind
 from rheo_engine.loop import decode
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
+from rheo_engine.tree_policy import AutoTree, CostProfile
 from rheo_engine.verify import verify_law
 
 METHODS = ("topk", "rrsw", "rheo")
@@ -329,6 +332,123 @@ def test_broken_proxy_is_detected_in_deep_trees(monkeypatch, mode):
     assert max_law_error(target, drafter_table, [2], cfg, SamplingConfig()) < 1e-12
     _break_proxy(monkeypatch, mode)
     assert max_law_error(target, drafter_table, [2], cfg, SamplingConfig()) > 1e-3
+
+
+# --- 2b. a tree chosen per step from the past (DESIGN.md §2.4, tree_policy) -------------------
+
+
+def tree_outcomes(target, drafter_table, history, cfg, sampling):
+    """Every (probability, tree, emitted tokens) of one engine step, sampled tokens enumerated."""
+    if cfg.method == "ar":
+        row = target(torch.tensor(history[-(target.order - 1) :]))
+        p = reference.process_logits_ref(
+            row.to(torch.float64), sampling.temperature, sampling.top_p, sampling.top_k
+        )
+        return [(float(p[v]), None, (v,)) for v in range(target.V) if p[v] > 0]
+    hist = torch.tensor([history[-(target.order - 1) :]], dtype=torch.int32)
+
+    def build(forced):
+        drafter = NGramDraft(drafter_table, hist)
+        return draft_tree(
+            drafter, hist[:, -1], torch.zeros(1, dtype=torch.int32), cfg,
+            sampling.temperature, 0, 0, forced=forced,
+        )  # fmt: skip
+
+    out = []
+    for weight, dt in enumerate_drafts(cfg, sampling.temperature, build):
+        logits, _ = NGramTarget(target, hist).forward_tree(dt.tree)
+        for seq, prob in step_law(dt, logits, cfg.method, sampling).items():
+            out.append((weight * prob, dt, seq))
+    return out
+
+
+def verdict_of(tree: kernels.Tree, seq: tuple[int, ...]) -> SimpleNamespace:
+    """The accepted path of ``tree`` that emitted ``seq`` (siblings carry distinct tokens)."""
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    path = [0]
+    for t in seq[:-1]:
+        path.append(
+            next(i for i in range(len(tokens)) if parents[i] == path[-1] and tokens[i] == t)
+        )
+    accept_path = torch.tensor([path + [-1] * (len(tokens) - len(path))], dtype=torch.int32)
+    return SimpleNamespace(accept_len=torch.tensor([len(path)]), accept_path=accept_path)
+
+
+def two_step_law_error(target, drafter_table, history, first, policy_for, sampling, J) -> float:
+    """Max error of the law of the first J tokens of a run whose second step drafts the tree
+    ``policy_for(tree, seq)`` chooses after seeing the first step's tree and outcome."""
+    total = torch.zeros([target.V] * J, dtype=torch.float64)
+    chosen = set()
+    for p1, dt1, seq1 in tree_outcomes(target, drafter_table, history, first, sampling):
+        cfg2 = policy_for(dt1, seq1)
+        chosen.add((cfg2.method, cfg2.depth, cfg2.total_tokens))
+        for p2, _, seq2 in tree_outcomes(
+            target, drafter_table, history + list(seq1), cfg2, sampling
+        ):
+            head = (seq1 + seq2)[:J]
+            rest = target_law(target, history + list(head), J - len(head), sampling)
+            total[head] += p1 * p2 * rest
+    want = target_law(target, history, J, sampling)
+    return float((total - want).abs().max()), chosen
+
+
+def _profile() -> CostProfile:
+    """Costs under which the best tree depends on how much the last step accepted."""
+    target_s = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.2, 5: 1.3, 6: 1.4}
+    return CostProfile("toy", target_s, 0.05, 0.1, {n: 0.0 for n in target_s})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tree_chosen_from_history_is_lossless(method):
+    """AutoTree picks step 2's tree from step 1's outcome (through observe): the law of the
+    tokens is still the target's, exactly; and the choice really varies with the outcome."""
+    V, order = 4, 2
+    target = NGramTable.random(V, order, seed=21)
+    drafter_table = quantized_table(V, order, seed=5)
+    sampling = SamplingConfig(temperature=0.9)
+    bound = TreeConfig(method, topk=2, depth=2, total_tokens=5, leads=1, support=4)
+    first = dataclasses.replace(bound, depth=2, total_tokens=4)
+
+    def policy_for(dt, seq):
+        policy = AutoTree(bound, _profile())
+        policy.stats.prior_weight = 0.05  # let one step's evidence dominate
+        policy.observe(first, dt.tree, verdict_of(dt.tree, seq), 1.0)
+        return policy.choose(room=100, wanted=100)
+
+    for history in ([0], [3]):
+        err, chosen = two_step_law_error(
+            target, drafter_table, history, first, policy_for, sampling, 4
+        )
+        assert err < 1e-12
+        assert len(chosen) >= 2, f"the policy never changed its tree: {chosen}"
+
+
+def test_tree_chosen_from_this_steps_draw_is_detected():
+    """Negative control: choosing a plain step *after* seeing this step's sampled token (here:
+    keep the tree only when a sampled node drew token 0) biases the law."""
+    V, order = 4, 2
+    target = NGramTable.random(V, order, seed=21)
+    drafter_table = NGramTable.random(V, order, seed=22, scale=1.0)
+    sampling = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig("rheo", topk=2, depth=1, total_tokens=3, leads=1, support=4)
+    history = [1]
+    law = {}
+    plain = tree_outcomes(target, drafter_table, history, TreeConfig("ar"), sampling)
+    for weight, dt in enumerate_drafts(cfg, 1.0, lambda forced: draft_tree(
+        NGramDraft(drafter_table, torch.tensor([history], dtype=torch.int32)),
+        torch.tensor([history[-1]], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), cfg,
+        1.0, 0, 0, forced=forced,
+    )):  # fmt: skip
+        sampled = dt.tree.tokens[dt.tree.sampled_row >= 0].tolist()
+        if 0 in sampled:
+            logits, _ = NGramTarget(target, torch.tensor([history])).forward_tree(dt.tree)
+            outcomes = step_law(dt, logits, cfg.method, sampling).items()
+        else:
+            outcomes = [(seq, p) for p, _, seq in plain]
+        for seq, p in outcomes:
+            law[seq] = law.get(seq, 0.0) + weight * p
+    got = law_of_next_tokens(law, target, history, 2, sampling)
+    assert float((got - target_law(target, history, 2, sampling)).abs().max()) > 1e-4
 
 
 # --- 3. Monte Carlo through the compiled kernels and the engine loop ---------------------------

@@ -2,10 +2,13 @@
 
     python -m rheo_engine.io.convert llama2c MODEL.bin TOKENIZER.model OUT_DIR
     python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR
+    python -m rheo_engine.io.convert widen SRC OUT --hidden 2048 --intermediate 8192 --layers 16
 
 ``llama2c`` reads a llama2.c "version 0" (legacy) checkpoint such as stories260K.bin
 (shared/fixtures/llama2c/README.md) and writes config.json, model.safetensors and
-tokenizer.model that HF ``LlamaForCausalLM.from_pretrained`` loads unchanged.
+tokenizer.model that HF ``LlamaForCausalLM.from_pretrained`` loads unchanged. ``widen``
+embeds a target + EAGLE-3 head pair (SRC/target, SRC/draft) in bigger models with the same
+outputs (rheo_engine/io/widen.py), e.g. weights/default to ~1B parameters in .cache/widened.
 """
 
 from __future__ import annotations
@@ -187,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eagle3", help="EAGLE-3 head checkpoint -> the engine's head layout")
     p.add_argument("src_dir", help="EAGLE-3 checkpoint directory")
     p.add_argument("out_dir", help="new (or empty) output directory")
+    p = sub.add_parser("widen", help="pair -> a wider, deeper pair with the same outputs")
+    p.add_argument("src_dir", help="pair directory holding target/ and draft/ (weights/default)")
+    p.add_argument("out_dir", help="new (or empty) output directory, e.g. .cache/widened")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size H (default 2048)")
+    p.add_argument("--intermediate", type=int, default=8192, help="MLP width (default 8192)")
+    p.add_argument("--layers", type=int, default=16, help="decoder layers (default 16)")
+    p.add_argument("--force", action="store_true", help="replace OUT's target/ and draft/")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad argument (2, already said in one line)
@@ -194,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "llama2c":
             out = convert_llama2c(args.model_bin, args.tokenizer_model, args.out_dir)
+        elif args.command == "widen":
+            from rheo_engine.io.widen import widen  # its own module
+
+            sizes = dict(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
+            out = widen(args.src_dir, args.out_dir, **sizes, force=args.force)
         else:
             from rheo_engine.io.convert_eagle3 import convert_eagle3  # its own module
 

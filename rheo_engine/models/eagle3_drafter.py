@@ -5,6 +5,11 @@ RoPE position j. Tree levels are scratch: level l runs its frontier nodes at pos
 m + l - 1 (m = committed pairs), each seeing the committed pairs, its ancestors among earlier
 frontier nodes and itself. Their K/V lives outside the cache and is dropped at commit, where
 the accepted pairs are recomputed from the target's features, as EAGLE does (§2.4).
+
+Commits are lazy: a step's accepted pairs wait until the head next drafts (root_logits) and
+then run in one forward with any others waiting. A run of plain steps (the cost model's
+choice when no tree pays) thus costs the head nothing until speculation resumes, and then
+one forward over all the pairs it missed, not one per step.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Eagle3Drafter:
         self._tree_k = self._tree_v = self._empty_rows()  # [B, S_tree, Hkv, D] scratch
         self._tree_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=head.device)
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed, not yet run
 
     def _empty_rows(self) -> torch.Tensor:
         c = self.head.cfg
@@ -39,13 +45,22 @@ class Eagle3Drafter:
 
     @property
     def length(self) -> int:
-        """m, the committed pairs (RoPE positions 0..m-1)."""
-        return self.cache.length
+        """m, the committed pairs (RoPE positions 0..m-1), those waiting to run included."""
+        return self.cache.length + sum(f.shape[1] for f, _ in self._pending)
 
     def reset(self) -> None:
         """Forget every pair, e.g. before a new prompt."""
         self.cache.truncate(0)
-        self._last_h, self._level = None, -1
+        self._last_h, self._level, self._pending = None, -1, []
+
+    def _flush(self) -> None:
+        """Run the pairs that commits left waiting, in one head forward."""
+        if not self._pending:
+            return
+        features = torch.cat([f for f, _ in self._pending], 1)
+        tokens = torch.cat([t for _, t in self._pending], 1)
+        self._pending = []
+        self._append_pairs(features, tokens)
 
     @torch.no_grad()
     def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -63,6 +78,7 @@ class Eagle3Drafter:
                 f"next_tokens must be [B, L] = {list(features.shape[:2])} (one per feature), "
                 f"got {list(next_tokens.shape)}"
             )
+        self._flush()
         self._append_pairs(features, next_tokens.long())
 
     def _append_pairs(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -95,6 +111,7 @@ class Eagle3Drafter:
     @torch.no_grad()
     def root_logits(self) -> torch.Tensor:
         """Draft logits [B, Vd] float32 of the root's children (head output of the last pair)."""
+        self._flush()
         if self._last_h is None:
             raise ValueError("root_logits() before any pair: call prefill(features, next_tokens)")
         self._frontier_h = self._last_h.unsqueeze(1)  # the root is the only level-0 node
@@ -177,4 +194,11 @@ class Eagle3Drafter:
         feats = features.gather(1, path.unsqueeze(2).expand(B, n, F_in))  # [B, n, F]
         accepted = tree.tokens.to(path.device).long().gather(1, path[:, 1:])  # [B, n - 1]
         bonus = verdict.bonus_token.to(path.device).long().view(B, 1)
-        self.prefill(feats, torch.cat((accepted, bonus), 1))
+        tokens = torch.cat((accepted, bonus), 1)
+        if self.length + n > self.max_len:
+            raise ValueError(
+                f"the draft head needs {self.length + n} rows but its cache holds "
+                f"max_len={self.max_len}; raise max_len / shorten the prompt"
+            )
+        self._pending.append((feats, tokens))
+        self._level = -1

@@ -1,0 +1,324 @@
+"""Which tree each step drafts (DESIGN.md §2.4): a fixed tree, or the measured cost model.
+
+A policy answers ``choose(room, wanted)`` before a step and ``observe(cfg, tree, verdict,
+seconds)`` after it. ``FixedTree`` is the paper's tree cut to the context (loop.fit_tree).
+``AutoTree`` (``tree="auto"``, the default) maximises predicted tokens per second:
+
+    rate(D, N) = (1 + E[accepted | D, N]) / (step(D, N))      and     rate(plain) = 1 / plain
+
+over depths D <= the configured depth and sizes N <= total_tokens (topk stays the configured
+one: a level's cost is nearly flat in its rows on the pairs measured, see BENCHMARKS.md), and
+takes a plain step when no tree beats it.
+
+- Costs: a ``CostProfile`` measured once per (model, device, dtype, threads, method family) on
+  the running machine (target forwards of n tree nodes, draft levels, verification), cached by
+  the engine for the process, savable and loadable as JSON. It is frozen while requests run,
+  so a request's trees depend on its profile, its seed and its prompt only: with a saved
+  profile a seeded run reproduces.
+- Acceptance: every tree's nodes 1..N-1 are in prune rank order (proxy_rerank.h), so a past
+  step also says what any smaller tree would have accepted: the top-(N'-1) nodes of depth
+  <= D' are its first N'-1 nodes of depth <= D' (levels are grown identically and pruning keeps
+  a prefix of the rank order), and a node's acceptance does not depend on lower-ranked nodes
+  (exactly so at T = 0; approximately when sampling). ``AcceptanceStats`` replays each step
+  into every (D', N') cell it covers, as exponential moving sums, with a weak prior; cells no
+  step covered keep the prior, and the decay lets the prior come back after plain steps, which
+  re-probes speculation when the context may have become easier.
+
+Lossless (DESIGN.md §2.4): choose() reads only the profile and what previous steps returned
+(their trees and verdicts) and the room/wanted counts known before the step; it never sees
+this step's coins, its sampled tokens or the target's logits. Every tree shape is lossless
+when fixed in advance, and a shape chosen from the past is fixed in advance of the step, so
+the law of each step given the past is the target's (tests/test_lossless.py enumerates a
+two-step run whose second tree depends on the first step's outcome; a control that picks the
+tree after seeing this step's sampled token fails).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from rheo_engine import kernels
+from rheo_engine.config import TreeConfig
+from rheo_engine.loop import fit_tree
+
+# Tree sizes the cost model considers (clipped to total_tokens) and where it times forwards.
+SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 60)
+
+
+class TreePolicy(Protocol):
+    def choose(self, room: int, wanted: int) -> TreeConfig:
+        """The tree of the next step: ``room`` free context rows, ``wanted`` tokens still due."""
+        ...
+
+    def observe(
+        self, cfg: TreeConfig, tree: kernels.Tree, verdict: kernels.Verdict, seconds: float
+    ) -> None:
+        """What the step drafted and accepted, and its wall time."""
+        ...
+
+
+@dataclass
+class TreeUsage:
+    """What a request's steps drafted: for Generation and the stats line."""
+
+    shapes: Counter = field(default_factory=Counter)  # (depth, total_tokens) -> steps; (0, 1) plain
+    predicted_s: float = 0.0  # sum of the cost model's step times (0 for a fixed tree)
+    measured_s: float = 0.0  # sum of the measured step times
+
+    def histogram(self) -> str:
+        """'N=1x12 N=8/d3x30 ...': steps per tree, plain steps as N=1."""
+        parts = []
+        for (d, n), count in sorted(self.shapes.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            parts.append(f"N={n}x{count}" if n == 1 else f"N={n}/d{d}x{count}")
+        return " ".join(parts)
+
+    def add(self, cfg: TreeConfig, predicted_s: float | None, measured_s: float) -> None:
+        self.shapes[tree_shape(cfg)] += 1
+        self.predicted_s += predicted_s or 0.0
+        self.measured_s += measured_s
+
+
+def tree_shape(cfg: TreeConfig) -> tuple[int, int]:
+    """(depth, total_tokens) of a step's tree; (0, 1) for a plain step."""
+    return (0, 1) if cfg.method == "ar" or cfg.total_tokens == 1 else (cfg.depth, cfg.total_tokens)
+
+
+class FixedTree:
+    """The configured tree every step, cut to what is left of the context and of the request."""
+
+    predicted_s = None  # no cost model
+
+    def __init__(self, cfg: TreeConfig) -> None:
+        self.cfg = cfg
+
+    def choose(self, room: int, wanted: int) -> TreeConfig:
+        return fit_tree(self.cfg, room, wanted)
+
+    def observe(self, cfg, tree, verdict, seconds) -> None:
+        pass
+
+
+# --- costs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class CostProfile:
+    """Measured seconds of the parts of a step on one machine, for one (model, settings) key."""
+
+    key: str  # what it was measured for: model shapes, device, dtype, threads, pool kind
+    target_s: dict[int, float]  # tree size n -> one target forward over n nodes
+    draft_base_s: float  # drafting a depth-1 tree (root logits, pool, build_tree)
+    level_s: float  # each further draft level (head forward over topk rows + bookkeeping)
+    verify_s: dict[int, float]  # tree size n -> one verification
+    measure_s: float = 0.0  # how long measuring took
+
+    def target(self, n: int) -> float:
+        """Target forward seconds at n nodes: piecewise linear in the measured sizes."""
+        return self._extrapolated(self.target_s, n)
+
+    def _extrapolated(self, table: dict[int, float], n: int) -> float:
+        sizes = sorted(table)
+        if n <= sizes[-1] or len(sizes) < 2:
+            return float(np.interp(n, sizes, [table[s] for s in sizes]))
+        a, b = sizes[-2], sizes[-1]
+        slope = (table[b] - table[a]) / (b - a)
+        return table[b] + slope * (n - b)
+
+    def plain_step_s(self) -> float:
+        return self._extrapolated(self.target_s, 1) + self._extrapolated(self.verify_s, 1)
+
+    def step_s(self, depth: int, n: int) -> float:
+        """Predicted seconds of a step drafting ``depth`` levels and keeping ``n`` nodes; the
+        head's commit of the accepted pairs costs about one level."""
+        if n == 1:
+            return self.plain_step_s()
+        drafting = self.draft_base_s + self.level_s * depth  # depth - 1 levels + the commit
+        return (
+            drafting + self._extrapolated(self.target_s, n) + self._extrapolated(self.verify_s, n)
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(
+                key=str(raw["key"]),
+                target_s={int(k): float(v) for k, v in raw["target_s"].items()},
+                draft_base_s=float(raw["draft_base_s"]),
+                level_s=float(raw["level_s"]),
+                verify_s={int(k): float(v) for k, v in raw["verify_s"].items()},
+                measure_s=float(raw.get("measure_s", 0.0)),
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(
+                f"cost profile {path}: cannot read it ({type(err).__name__}: {err}); pass a file "
+                "written by the engine (CostProfile.save / --cost-profile), or delete it to "
+                "measure again"
+            ) from None
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int):
+    """Time the parts of a step: ``draft(depth, n)`` -> DraftTree, ``forward_tree(tree)`` ->
+    logits, ``verify(logits, draft_tree)``. Nothing is committed, so the request's state is
+    untouched. About 3 forwards per probed size; sizes stop at ``max_nodes``."""
+    start = time.perf_counter()
+    sizes = [n for n in PROBE_SIZES if n <= max_nodes]
+    if sizes[-1] != max_nodes and max_nodes > 1:
+        sizes.append(max_nodes)
+    target_s, verify_s = {}, {}
+    for n in sizes:
+        dt = draft(min(max_depth, max(1, n - 1)), n)
+        logits = forward_tree(dt.tree)  # warm-up, and the logits verification times on
+        repeats = 3 if n <= 8 else 2
+        target_s[n] = _median_time(lambda dt=dt: forward_tree(dt.tree), repeats)
+        verify_s[n] = _median_time(lambda dt=dt, lg=logits: verify(lg, dt), 3)
+    draft_base = level = 0.0
+    if max_nodes > 1:
+        n = min(max_nodes, 8)
+        draft_base = _median_time(lambda: draft(1, n), 3)
+        deep = min(max_depth, n - 1, 4)
+        if deep > 1:
+            level = max(0.0, (_median_time(lambda: draft(deep, n), 3) - draft_base) / (deep - 1))
+    return CostProfile(key, target_s, draft_base, level, verify_s, time.perf_counter() - start)
+
+
+# --- acceptance ----------------------------------------------------------------------------
+
+
+class AcceptanceStats:
+    """Expected accepted drafts of every (depth D, size N) tree, replayed from past steps.
+
+    ``sums[D - 1, j]`` / ``counts[D - 1, j]`` are decayed sums of the accepted count a tree of
+    depth D and size SIZES[j] would have had, over the past steps that cover that tree.
+    """
+
+    def __init__(self, max_depth: int, sizes: tuple[int, ...], decay: float = 0.9) -> None:
+        self.max_depth, self.sizes, self.decay = max_depth, np.array(sizes), decay
+        self.sums = np.zeros((max_depth, len(sizes)))
+        self.counts = np.zeros((max_depth, len(sizes)))
+        self.prior = np.array([[_prior(d, n) for n in sizes] for d in range(1, max_depth + 1)])
+        self.prior_weight = 1.0
+
+    def fade(self) -> None:
+        """One step passed: older evidence weighs less (plain steps call only this)."""
+        self.sums *= self.decay
+        self.counts *= self.decay
+
+    def add(self, depths: np.ndarray, accepted: np.ndarray, grown: int) -> None:
+        """A step's nodes 1..N-1 in rank order: their depths and whether each was accepted."""
+        self.fade()
+        for d in range(1, min(grown, self.max_depth) + 1):
+            keep = accepted[depths <= d]
+            covered = self.sizes - 1 <= len(keep)
+            if not covered.any():
+                continue
+            cum = np.concatenate(([0.0], np.cumsum(keep)))
+            need = np.minimum(self.sizes - 1, len(keep))
+            self.sums[d - 1] += np.where(covered, cum[need], 0.0)
+            self.counts[d - 1] += covered
+
+    def expected(self) -> np.ndarray:
+        """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N."""
+        w = self.prior_weight
+        est = (w * self.prior + self.sums) / (w + self.counts)
+        # A tree no step covered (e.g. shallower but wider than any grown) keeps the prior, but
+        # no more than the trees with evidence that are at least as deep and as big (they hold
+        # its best-ranked nodes): a bound tree that accepts nothing ends speculation.
+        seen = np.where(self.counts > 0.5, est, np.inf)
+        cap = np.minimum.accumulate(np.minimum.accumulate(seen[::-1, ::-1], 0), 1)[::-1, ::-1]
+        est = np.where(self.counts > 0.5, est, np.minimum(est, cap))
+        return np.maximum.accumulate(np.maximum.accumulate(est, axis=0), axis=1)
+
+
+def _prior(depth: int, n: int, per_node: float = 0.3) -> float:
+    """A weak prior: n - 1 nodes spread evenly over the depths, each accepted with probability
+    ``per_node`` given its parent was; a level extends the path if any of its nodes does."""
+    per_level = (n - 1) / depth
+    reach, total = 1.0, 0.0
+    for _ in range(depth):
+        reach *= 1.0 - (1.0 - per_node) ** per_level
+        total += reach
+    return total
+
+
+class AutoTree:
+    """The cost model's choice of tree per step (see the module docstring)."""
+
+    def __init__(self, bound: TreeConfig, profile: CostProfile) -> None:
+        self.bound, self.profile = bound, profile
+        sizes = tuple(n for n in SIZES if n <= bound.total_tokens) or (bound.total_tokens,)
+        if bound.total_tokens not in sizes:
+            sizes = tuple(sorted({*sizes, bound.total_tokens}))
+        self.sizes = sizes
+        self.stats = AcceptanceStats(bound.depth, sizes)
+        self.step_s = np.array(
+            [[profile.step_s(d, n) for n in sizes] for d in range(1, bound.depth + 1)]
+        )
+        topk = bound.topk
+        self.feasible = np.array(
+            [[d <= n - 1 and n <= 1 + topk + (d - 1) * topk * topk for n in sizes]
+             for d in range(1, bound.depth + 1)]
+        )  # fmt: skip
+        self.predicted_s = 0.0  # the chosen tree's predicted step time
+
+    def choose(self, room: int, wanted: int) -> TreeConfig:
+        plain_s = self.profile.plain_step_s()
+        best_rate, best = 1.0 / plain_s, TreeConfig("ar")
+        self.predicted_s = plain_s
+        if wanted >= 2 and self.bound.method != "ar":
+            emitted = np.minimum(1.0 + self.stats.expected(), wanted)
+            depths = np.arange(1, self.bound.depth + 1)[:, None]
+            ok = self.feasible & (np.array(self.sizes)[None, :] <= room) & (depths <= wanted - 1)
+            rate = np.where(ok, emitted / self.step_s, -1.0)
+            d, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
+            if rate[d, j] > best_rate:
+                best = dataclasses.replace(
+                    self.bound, depth=int(d) + 1, total_tokens=int(self.sizes[j])
+                )
+                self.predicted_s = float(self.step_s[d, j])
+        return best
+
+    def observe(self, cfg, tree, verdict, seconds) -> None:
+        if tree_shape(cfg) == (0, 1):
+            self.stats.fade()
+            return
+        depths = tree.depth[0, 1:].cpu().numpy()
+        accepted = np.zeros(len(depths))
+        n = int(verdict.accept_len[0])
+        path = verdict.accept_path[0, 1:n].cpu().numpy()  # node indices past the root
+        accepted[path - 1] = 1.0
+        self.stats.add(depths, accepted, cfg.depth)
+
+
+def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, pool: str,
+                topk: int) -> str:  # fmt: skip
+    """What a profile was measured for; a loaded profile must match the running engine's."""
+    t, h = target_cfg, head_cfg
+    shapes = f"target {t.num_hidden_layers}x{t.hidden_size}/{t.intermediate_size} V{t.vocab_size}"
+    if h is not None:
+        shapes += f", head {h.hidden_size} Vd{h.draft_vocab_size}"
+    return f"{shapes}, {device.type}, {str(dtype).replace('torch.', '')}, " + (
+        f"{torch.get_num_threads()} threads, {pool} pool, topk {topk}"
+    )

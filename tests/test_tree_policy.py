@@ -1,0 +1,178 @@
+"""The cost model that picks each step's tree (rheo_engine.tree_policy) and tree="auto" in the
+engine. Losslessness of a history-dependent tree is proven in test_lossless.py (2b)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rheo_engine import Engine
+from rheo_engine.config import TreeConfig
+from rheo_engine.draft import pool_kind
+from rheo_engine.tree_policy import (
+    AcceptanceStats,
+    AutoTree,
+    CostProfile,
+    TreeUsage,
+    profile_key,
+)
+
+BOUND = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
+
+
+def profile(target_s: dict[int, float], level_s: float = 0.0) -> CostProfile:
+    return CostProfile("toy", target_s, 0.0, level_s, {n: 0.0 for n in target_s})
+
+
+def test_replay_fills_every_smaller_tree():
+    """One step with nodes (in rank order) at depths 1,1,2,2,3 of which the path 1->3->5 was
+    accepted: a depth-2 tree of 4 nodes would have accepted nodes 1 and 3."""
+    stats = AcceptanceStats(max_depth=3, sizes=(2, 3, 4, 5, 6), decay=1.0)
+    depths = np.array([1, 1, 2, 2, 3])
+    accepted = np.array([1.0, 0.0, 1.0, 0.0, 1.0])
+    stats.add(depths, accepted, grown=3)
+    # depth 1: nodes 1, 2 exist -> sizes 2 and 3 covered (1 accepted), larger not covered
+    assert stats.counts[0].tolist() == [1, 1, 0, 0, 0]
+    assert stats.sums[0].tolist() == [1, 1, 0, 0, 0]
+    # depth 2: nodes 1..4 -> sizes up to 5; the first 3 of them hold 2 accepted
+    assert stats.sums[1].tolist() == [1, 1, 2, 2, 0]
+    assert stats.counts[1].tolist() == [1, 1, 1, 1, 0]
+    # depth 3: all five nodes
+    assert stats.sums[2].tolist() == [1, 1, 2, 2, 3]
+    est = stats.expected()
+    assert (np.diff(est, axis=0) >= 0).all() and (np.diff(est, axis=1) >= 0).all()
+
+
+def test_deeper_than_grown_is_not_evidence():
+    stats = AcceptanceStats(max_depth=3, sizes=(2, 3), decay=1.0)
+    stats.add(np.array([1, 2]), np.array([1.0, 1.0]), grown=2)
+    assert stats.counts[2].tolist() == [0, 0]  # a depth-3 tree was never grown
+
+
+def test_plain_step_when_trees_cost_too_much():
+    costly = profile({1: 1.0, 2: 3.0, 16: 40.0})
+    policy = AutoTree(BOUND, costly)
+    assert policy.choose(room=100, wanted=100).method == "ar"
+    cheap = profile({1: 1.0, 2: 1.0, 16: 1.1})
+    assert AutoTree(BOUND, cheap).choose(room=100, wanted=100).method == "rheo"
+
+
+def test_choice_respects_room_and_wanted():
+    cheap = profile({1: 1.0, 16: 1.0})
+    policy = AutoTree(BOUND, cheap)
+    cfg = policy.choose(room=5, wanted=100)
+    assert cfg.total_tokens <= 5
+    cfg = policy.choose(room=100, wanted=2)
+    assert cfg.depth == 1
+    assert policy.choose(room=100, wanted=1).method == "ar"
+
+
+def test_acceptance_moves_the_choice():
+    """A tree that accepts everything grows the choice; one that accepts nothing ends in plain
+    steps; then fading brings the prior back and speculation is probed again."""
+    prof = profile({1: 1.0, 2: 1.3, 4: 1.5, 8: 1.9, 16: 3.0}, level_s=0.05)
+    policy = AutoTree(BOUND, prof)
+    tree = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
+    depths = torch.tensor([[0] + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3], dtype=torch.int32)
+    fake_tree = type("T", (), {"depth": depths})()
+
+    def verdict(path):
+        acc = torch.tensor([[0, *path] + [-1] * (16 - 1 - len(path))], dtype=torch.int32)
+        return type("V", (), {"accept_len": torch.tensor([1 + len(path)]), "accept_path": acc})()
+
+    for _ in range(10):
+        policy.observe(tree, fake_tree, verdict([1, 5, 9, 13]), 1.0)
+    big = policy.choose(100, 100)
+    assert big.method == "rheo" and big.depth >= 3
+    for _ in range(30):
+        policy.observe(tree, fake_tree, verdict([]), 1.0)
+    assert policy.choose(100, 100).method == "ar"
+    for _ in range(200):
+        policy.observe(TreeConfig("ar"), None, None, 1.0)  # plain steps: evidence fades
+    assert policy.choose(100, 100).method == "rheo"
+
+
+def test_profile_round_trip_and_bad_file(tmp_path):
+    prof = CostProfile("k", {1: 0.1, 8: 0.2}, 0.01, 0.02, {1: 0.0, 8: 0.001}, 1.5)
+    prof.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json") == prof
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cost profile .*bad.json: cannot read it.*delete it"):
+        CostProfile.load(tmp_path / "bad.json")
+
+
+def test_step_time_extrapolates_past_the_measured_sizes():
+    prof = profile({1: 1.0, 2: 2.0, 4: 3.0})
+    assert prof.target(3) == pytest.approx(2.5)
+    assert prof.target(8) == pytest.approx(5.0)  # slope of the last two points
+
+
+def test_histogram_names_plain_steps_and_trees():
+    usage = TreeUsage()
+    usage.add(TreeConfig("ar"), None, 0.1)
+    usage.add(TreeConfig("rheo", 10, 3, 8), 0.2, 0.3)
+    usage.add(TreeConfig("rheo", 10, 3, 8), 0.2, 0.3)
+    assert usage.histogram() == "N=1x1 N=8/d3x2"
+    assert usage.predicted_s == pytest.approx(0.4)
+
+
+# --- tree="auto" in the engine ---------------------------------------------------------------
+
+PROMPT = [1, 450, 1200, 33, 901, 7]
+
+
+def cheap_profile(engine, method: str, temperature: float) -> CostProfile:
+    """A profile for this engine under which trees look almost free, so auto drafts them."""
+    pool = pool_kind(method, temperature)
+    key = profile_key(
+        engine.target.cfg, engine.head.cfg, engine.target.device, engine.target.dtype, pool, 10
+    )
+    return CostProfile(key, {1: 1.0, 60: 1.2}, 0.0, 0.01, {1: 0.0, 60: 0.0})
+
+
+@pytest.fixture(scope="module")
+def fp32_default():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(dtype=torch.float32)
+    torch.set_num_threads(threads)
+
+
+def test_auto_tree_greedy_equals_ar_in_fp32(fp32_default):
+    """Whatever trees the cost model picks, T = 0 in fp32 is the target's greedy decoding."""
+    engine = fp32_default
+    prompt = "def quicksort(xs):"
+    want = engine.generate(prompt, 40, method="ar", temperature=0).token_ids
+    for method in ("topk", "rrsw", "rheo"):
+        prof = cheap_profile(engine, method, 0.0)
+        gen = engine.generate(prompt, 40, method=method, temperature=0, cost_profile=prof)
+        assert gen.token_ids == want
+        assert gen.tree == "auto" and sum(gen.trees.shapes.values()) == gen.steps
+        assert any(n > 1 for _, n in gen.trees.shapes), gen.trees.histogram()
+        assert gen.mean_accept_length > 1.5
+        measured = engine.generate(prompt, 40, method=method, temperature=0)  # own profile
+        assert measured.token_ids == want and measured.trees.predicted_s > 0
+
+
+def test_auto_tree_with_a_saved_profile_reproduces_a_seed(tiny, tmp_path):
+    path = tmp_path / "profile.json"
+    first = tiny.generate(PROMPT, 24, temperature=1.0, seed=7, cost_profile=path)
+    assert path.is_file()
+    again = tiny.generate(PROMPT, 24, temperature=1.0, seed=7, cost_profile=path)
+    assert again.token_ids == first.token_ids
+    assert again.trees.shapes == first.trees.shapes
+
+
+def test_bad_tree_and_mismatched_profile(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"tree='big' is not one of \['auto', 'fixed'\]"):
+        tiny.generate(PROMPT, 4, tree="big")
+    wrong = tmp_path / "wrong.json"
+    CostProfile("another machine", {1: 1.0}, 0.0, 0.0, {1: 0.0}).save(wrong)
+    with pytest.raises(ValueError, match=r"cost profile measured for 'another machine'"):
+        tiny.generate(PROMPT, 4, cost_profile=wrong)
+
+
+def test_fixed_tree_keeps_the_configured_shape(tiny):
+    gen = tiny.generate(PROMPT, 12, temperature=0, tree="fixed", topk=4, depth=3, total_tokens=8)
+    assert (3, 8) in gen.trees.shapes and gen.trees.predicted_s == 0
