@@ -32,6 +32,7 @@ inline void check_shape(const at::Tensor& t, const char* name, const std::vector
     std::string want = "[";
     for (size_t i = 0; i < expected.size(); ++i)
       want += (i ? ", " : "") + (expected[i] < 0 ? std::string("*") : std::to_string(expected[i]));
+    want += "]";
     fail(name, " must be ", dims, " = ", want, ", got ", shape_str(t.sizes()));
   }
 }

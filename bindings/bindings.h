@@ -26,6 +26,9 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
                 at::Tensor& sampled_row, at::Tensor& cand_index, at::Tensor& tree_mask,
                 at::Tensor& retrieve_indices, at::Tensor& n_leaves);
 
+// skinny linear (csrc/include/rheo/skinny_linear.h)
+void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+
 // tree attention (csrc/include/rheo/tree_attention.h)
 void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& tree_mask, int64_t prefix_len, double scale, at::Tensor& out);

@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // proxy rerank
   m.def("select_expand", &b::select_expand, "Indices of the topk candidates to expand, best first.");
   m.def("build_tree", &b::build_tree, "Global top-(N-1) with the tie rule; tree layout.");
+  // skinny linear
+  m.def("skinny_linear", &b::skinny_linear, "y = x W^T for a few rows of x (fp32 sums).");
   // tree attention
   m.def("tree_attention", &b::tree_attention, "Attention of N tree nodes over prefix + tree (GQA).");
   // verification

@@ -167,6 +167,26 @@ def build_tree(
     return tree
 
 
+# --- skinny linear ------------------------------------------------------------------------
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [..., out] = x [..., in] @ w [out, in]^T, for the few rows of a decode step or tree.
+
+    bf16 or fp32 (x, w and y alike); products and sums in fp32, one rounding to the dtype (bf16:
+    nearest even, as torch rounds a bf16 linear). ``w`` must be contiguous (nn.Linear layout);
+    ``x`` is read in place as rows one stride apart (any contiguous tensor, or a row slice).
+    """
+    if x.dim() < 1 or w.dim() != 2:
+        raise ValueError(
+            f"x must be [..., in] and w [out, in], got shapes {list(x.shape)}, {list(w.shape)}"
+        )
+    # No reshape or view here: each costs microseconds, as much as a small matmul's work.
+    y = x.new_empty((*x.shape[:-1], w.shape[0]))
+    _C.skinny_linear(x, w, y)
+    return y
+
+
 # --- tree attention -----------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from rheo_engine.config import json_field, json_head_dim, json_int_list, read_json_object
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache
+from rheo_engine.models.linear import linear
 
 if TYPE_CHECKING:
     from rheo_engine.config import ModelConfig
@@ -420,7 +421,7 @@ class Eagle3Head:
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [B, n, len(feature_layers) * target_hidden] -> h [B, n, H] (fc)."""
-        return F.linear(features.to(self.dtype), self.w["fc.weight"])
+        return linear(features.to(self.dtype), self.w["fc.weight"])
 
     def layer(
         self,
@@ -444,21 +445,21 @@ class Eagle3Head:
         e_normed = rms_norm(e, w["midlayer.input_layernorm.weight"], c.rms_norm_eps)
         h_normed = rms_norm(h, w["midlayer.hidden_norm.weight"], c.rms_norm_eps)
         x = torch.cat((e_normed, h_normed), -1)  # [B, n, 2H]
-        q = F.linear(x, w["midlayer.self_attn.q_proj.weight"]).view(B, n, -1, c.head_dim)
-        k = F.linear(x, w["midlayer.self_attn.k_proj.weight"]).view(B, n, -1, c.head_dim)
-        v = F.linear(x, w["midlayer.self_attn.v_proj.weight"]).view(B, n, -1, c.head_dim)
+        q = linear(x, w["midlayer.self_attn.q_proj.weight"]).view(B, n, -1, c.head_dim)
+        k = linear(x, w["midlayer.self_attn.k_proj.weight"]).view(B, n, -1, c.head_dim)
+        v = linear(x, w["midlayer.self_attn.v_proj.weight"]).view(B, n, -1, c.head_dim)
         q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
         attn = _attention(q, torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), mask)
-        h1 = h + F.linear(attn.reshape(B, n, -1), w["midlayer.self_attn.o_proj.weight"])
+        h1 = h + linear(attn.reshape(B, n, -1), w["midlayer.self_attn.o_proj.weight"])
         y = rms_norm(h1, w["midlayer.post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate = F.silu(F.linear(y, w["midlayer.mlp.gate_proj.weight"]))
-        mlp = gate * F.linear(y, w["midlayer.mlp.up_proj.weight"])  # [B, n, intermediate]
-        return h1 + F.linear(mlp, w["midlayer.mlp.down_proj.weight"]), k, v
+        gate = F.silu(linear(y, w["midlayer.mlp.gate_proj.weight"]))
+        mlp = gate * linear(y, w["midlayer.mlp.up_proj.weight"])  # [B, n, intermediate]
+        return h1 + linear(mlp, w["midlayer.mlp.down_proj.weight"]), k, v
 
     def logits(self, h2: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] float32 = lm_head(norm(h2))."""
         normed = rms_norm(h2, self.w["norm.weight"], self.cfg.rms_norm_eps)
-        return F.linear(normed, self.w["lm_head.weight"]).float()
+        return linear(normed, self.w["lm_head.weight"]).float()
 
 
 def _attention(

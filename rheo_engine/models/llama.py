@@ -20,6 +20,7 @@ from rheo_engine import kernels
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache
+from rheo_engine.models.linear import linear
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -349,7 +350,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if i in feature_layers:
                 captured[i] = x
-            qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.w_qkv)  # [B, n, (H+2Hkv)D]
+            qkv = linear(self._rms_norm(x, layer.attn_norm), layer.w_qkv)  # [B, n, (H+2Hkv)D]
             qk = qkv[..., : (H + Hkv) * D].view(B, n, H + Hkv, D)
             # RoPE on q and k heads at once (HF rotate_half convention).
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, n, H+Hkv, D]
@@ -357,12 +358,12 @@ class LlamaModel:
             cache.write(i, qk[:, :, H:], v)
             k_rows, v_rows = cache.rows(i, n)  # [B, length+n, Hkv, D]
             attn = kernels.tree_attention(qk[:, :, :H], k_rows, v_rows, tree_mask, cache.length)
-            x = x + F.linear(attn.view(B, n, H * D), layer.w_o)
-            gate, up = F.linear(self._rms_norm(x, layer.mlp_norm), layer.w_gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            x = x + linear(attn.view(B, n, H * D), layer.w_o)
+            gate, up = linear(self._rms_norm(x, layer.mlp_norm), layer.w_gate_up).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, layer.w_down)
         if last_logits_only:
             x = x[:, -1:]
         x = self._rms_norm(x, self.norm)
-        logits = x if output_hidden else F.linear(x, self.lm_head).float()
+        logits = x if output_hidden else linear(x, self.lm_head).float()
         features = torch.cat([captured[j] for j in feature_layers], -1) if feature_layers else None
         return logits, features

@@ -1,0 +1,161 @@
+"""Benchmark the skinny linear layer: kernels.skinny_linear against F.linear for few rows.
+
+Checks the kernel against x.float() @ w.float().T first, then times each case: a warm-up, then
+paired repeats interleaved (F.linear, kernel, F.linear, ...) with L2 flushed before every call,
+median of each. Prints one markdown row per case: both times, the speedup (F.linear / kernel)
+and the GB/s of W the kernel read. Shapes: a Llama-3.2-1B layer (fused qkv, o, fused gate/up,
+down) and the default pair's target (weights/default/target/config.json), n rows of x.
+
+    python bench/bench_skinny_linear.py [--quick] [--rows 1,2,4,8,16,32] [--threads 1,2]
+                                        [--dtype bfloat16,float32] [--shapes llama1b,default]
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from inputs import ArgumentParser
+
+from rheo_engine import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# name -> (matrix, [out, in]) of a Llama-3.2-1B layer: hidden 2048, intermediate 8192.
+LLAMA_1B = [("qkv", (4096, 2048)), ("o", (2048, 2048)), ("gate_up", (16384, 2048)),
+            ("down", (2048, 8192))]  # fmt: skip
+# Read before each timed call: 2 MiB evicts the L2 of each core (512 KiB on Zen 3) but leaves most
+# of L3, as in a model whose weights share L3 between steps. Read, not written: no dirty lines.
+FLUSH = torch.zeros(2 * 2**20 // 4)
+
+
+def default_pair_shapes() -> list[tuple[str, tuple[int, int]]]:
+    """The default target's matmuls, read from its config (they change when it is retrained)."""
+    config = ROOT / "weights" / "default" / "target" / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"{config} not found; run with --shapes llama1b")
+    c = json.loads(config.read_text())
+    hidden, inter, D = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    H, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    return [
+        ("default qkv", ((H + 2 * Hkv) * D, hidden)),
+        ("default o", (hidden, H * D)),
+        ("default gate_up", (2 * inter, hidden)),
+        ("default down", (hidden, inter)),
+        ("default lm_head", (c["vocab_size"], hidden)),
+    ]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+        return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "uncommitted"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """The kernel against fp32 sums rounded once: within 1 ulp of the dtype plus the fp32 bound."""
+    y = kernels.skinny_linear(x, w).double()
+    ref = (x.float() @ w.float().T).to(x.dtype).double()
+    ulp = ref.abs() * (2.0**-7 if x.dtype == torch.bfloat16 else 2.0**-23)
+    bound = (x.shape[-1] + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    if not ((y - ref).abs() <= ulp + 2 * bound + 1e-30).all():
+        raise SystemExit(f"skinny_linear disagrees with x.float() @ w.float().T for {what}")
+
+
+def paired_medians_ms(
+    a: Callable[[], object], b: Callable[[], object], budget_s: float
+) -> tuple[float, float]:
+    """Median ms of a and of b over interleaved calls (a, b, a, b, ...), each after an L2 flush."""
+    a(), b()  # warm-up (first-call allocations, thread pool start)
+    start = time.perf_counter()
+    a(), b()
+    reps = int(min(200, max(5, budget_s / max(time.perf_counter() - start, 1e-9))))
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for fn, out in ((a, times[0]), (b, times[1])):
+            FLUSH.sum()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+
+
+def main() -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="about 0.1 s per case, not 1 s")
+    parser.add_argument("--rows", default="1,2,4,8,16,32", help="n values, comma-separated")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
+    parser.add_argument("--dtype", default="bfloat16,float32", help="bfloat16 and/or float32")
+    parser.add_argument("--shapes", default="llama1b,default", help="llama1b and/or default")
+    args = parser.parse_args()
+    try:
+        rows = [int(v) for v in args.rows.split(",")]
+        threads = [int(v) for v in args.threads.split(",")]
+    except ValueError:
+        parser.error(f"--rows and --threads take integers, got {args.rows!r}, {args.threads!r}")
+    if min(rows) < 1 or min(threads) < 1:
+        parser.error("--rows and --threads must be >= 1")
+    dtypes = args.dtype.split(",")
+    if not set(dtypes) <= set(DTYPES):
+        parser.error(f"--dtype takes {sorted(DTYPES)}, got {args.dtype!r}")
+    shapes = []
+    for name in args.shapes.split(","):
+        if name not in ("llama1b", "default"):
+            parser.error(f"--shapes takes llama1b and/or default, got {name!r}")
+        shapes += LLAMA_1B if name == "llama1b" else default_pair_shapes()
+    budget_s = 0.1 if args.quick else 1.0
+    print(
+        f"# skinny_linear bench: cpu={cpu_name()} capability="
+        f"{torch.backends.cpu.get_cpu_capability()} torch={torch.__version__} "
+        f"build={kernels.build_info()} commit={git_commit()}; L2 flushed before each call"
+    )
+    columns = ["dtype", "matrix", "W [out, in]", "n", "threads", "F.linear ms", "skinny ms"]
+    columns += ["speedup", "skinny GB/s"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    gen = torch.Generator().manual_seed(0)
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        for name, (out, in_) in shapes:
+            w = (torch.randn(out, in_, generator=gen) * in_**-0.5).to(dtype)
+            x_all = torch.randn(max(rows), in_, generator=gen).to(dtype)
+            check(x_all, w, f"{dtype_name} W [{out}, {in_}], n={max(rows)}")
+            for t in threads:
+                torch.set_num_threads(t)
+                for n in rows:
+                    x = x_all[:n]
+                    torch_ms, skinny_ms = paired_medians_ms(
+                        lambda: F.linear(x, w), lambda: kernels.skinny_linear(x, w), budget_s
+                    )
+                    gb_per_s = w.numel() * w.element_size() / (skinny_ms * 1e-3) / 1e9
+                    print(
+                        f"| {dtype_name} | {name} | [{out}, {in_}] | {n} | {t} | {torch_ms:.3f} "
+                        f"| {skinny_ms:.3f} | {torch_ms / skinny_ms:.2f} | {gb_per_s:.1f} |",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()
