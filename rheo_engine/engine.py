@@ -33,6 +33,7 @@ from rheo_engine.tree_policy import (
     TreeUsage,
     measure_profile,
     profile_key,
+    topk_choices,
 )
 from rheo_engine.verify import verify_tree
 
@@ -445,11 +446,11 @@ class Request:
         # this request depend on) share no randomness with any step.
         probe_step = 2**40
 
-        def draft(depth: int, n: int):
+        def draft(depth: int, n: int, topk: int):
             if n == 1:
                 return root_only_tree(root, prefix)
-            n = min(n, 1 + cfg.topk + (depth - 1) * cfg.topk**2)  # what depth levels can grow
-            shape = dataclasses.replace(cfg, depth=depth, total_tokens=n)
+            n = min(n, 1 + topk + (depth - 1) * topk**2)  # what depth levels can grow
+            shape = dataclasses.replace(cfg, topk=topk, depth=depth, total_tokens=n)
             return draft_tree(
                 drafter, root, prefix, shape, self.sampling.temperature, self.seed, probe_step,
                 head.draft_to_target,
@@ -462,6 +463,7 @@ class Request:
             return measure_profile(
                 key, lambda tree: runner.forward_tree(tree)[0], draft, verify,
                 max_nodes=min(cfg.total_tokens, cache.free), max_depth=cfg.depth,
+                topks=topk_choices(cfg),
             )  # fmt: skip
 
     def _prefill(self, runner: _TargetRunner, drafter, cache: KVCache) -> torch.Tensor:

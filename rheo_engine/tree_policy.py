@@ -118,34 +118,24 @@ class CostProfile:
     key: str  # what it was measured for: model shapes, device, dtype, threads, pool kind
     target_s: dict[int, float]  # tree size n -> one target forward over n nodes
     draft_base_s: float  # drafting a depth-1 tree (root logits, pool, build_tree)
-    level_s: float  # each further draft level (head forward over topk rows + bookkeeping)
+    level_s: dict[int, float]  # topk -> each further draft level (head over topk rows + pools)
     verify_s: dict[int, float]  # tree size n -> one verification
     measure_s: float = 0.0  # how long measuring took
 
     def target(self, n: int) -> float:
         """Target forward seconds at n nodes: piecewise linear in the measured sizes."""
-        return self._extrapolated(self.target_s, n)
-
-    def _extrapolated(self, table: dict[int, float], n: int) -> float:
-        sizes = sorted(table)
-        if n <= sizes[-1] or len(sizes) < 2:
-            return float(np.interp(n, sizes, [table[s] for s in sizes]))
-        a, b = sizes[-2], sizes[-1]
-        slope = (table[b] - table[a]) / (b - a)
-        return table[b] + slope * (n - b)
+        return _extrapolated(self.target_s, n)
 
     def plain_step_s(self) -> float:
-        return self._extrapolated(self.target_s, 1) + self._extrapolated(self.verify_s, 1)
+        return _extrapolated(self.target_s, 1) + _extrapolated(self.verify_s, 1)
 
-    def step_s(self, depth: int, n: int) -> float:
-        """Predicted seconds of a step drafting ``depth`` levels and keeping ``n`` nodes; the
-        head's commit of the accepted pairs costs about one level."""
+    def step_s(self, depth: int, n: int, topk: int) -> float:
+        """Predicted seconds of a step drafting ``depth`` levels of ``topk`` rows and keeping
+        ``n`` nodes; the head's commit of the accepted pairs costs about one level."""
         if n == 1:
             return self.plain_step_s()
-        drafting = self.draft_base_s + self.level_s * depth  # depth - 1 levels + the commit
-        return (
-            drafting + self._extrapolated(self.target_s, n) + self._extrapolated(self.verify_s, n)
-        )
+        drafting = self.draft_base_s + _extrapolated(self.level_s, topk) * depth
+        return drafting + _extrapolated(self.target_s, n) + _extrapolated(self.verify_s, n)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
@@ -154,12 +144,16 @@ class CostProfile:
     def load(cls, path: str | Path) -> CostProfile:
         try:
             raw = json.loads(Path(path).read_text())
+
+            def table(name: str) -> dict[int, float]:
+                return {int(k): float(v) for k, v in raw[name].items()}
+
             return cls(
                 key=str(raw["key"]),
-                target_s={int(k): float(v) for k, v in raw["target_s"].items()},
+                target_s=table("target_s"),
                 draft_base_s=float(raw["draft_base_s"]),
-                level_s=float(raw["level_s"]),
-                verify_s={int(k): float(v) for k, v in raw["verify_s"].items()},
+                level_s=table("level_s"),
+                verify_s=table("verify_s"),
                 measure_s=float(raw.get("measure_s", 0.0)),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -168,6 +162,15 @@ class CostProfile:
                 "written by the engine (CostProfile.save / --cost-profile), or delete it to "
                 "measure again"
             ) from None
+
+
+def _extrapolated(table: dict[int, float], n: int) -> float:
+    """table at n: piecewise linear between measured points, the last slope beyond them."""
+    sizes = sorted(table)
+    if n <= sizes[-1] or len(sizes) < 2:
+        return float(np.interp(n, sizes, [table[s] for s in sizes]))
+    a, b = sizes[-2], sizes[-1]
+    return table[b] + (table[b] - table[a]) / (b - a) * (n - b)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -179,29 +182,39 @@ def _median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int):
-    """Time the parts of a step: ``draft(depth, n)`` -> DraftTree, ``forward_tree(tree)`` ->
-    logits, ``verify(logits, draft_tree)``. Nothing is committed, so the request's state is
+def topk_choices(bound: TreeConfig) -> tuple[int, ...]:
+    """The expansion widths auto tries: the configured topk and narrower ones (2, 4) that the
+    pool still fits (topk > leads, topk <= support)."""
+    ks = {bound.topk} | {k for k in (2, 4) if k < bound.topk}
+    return tuple(sorted(k for k in ks if bound.leads < k <= bound.support))
+
+
+def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int,
+                    topks: tuple[int, ...]) -> CostProfile:  # fmt: skip
+    """Time the parts of a step: ``draft(depth, n, topk)`` -> DraftTree, ``forward_tree(tree)``
+    -> logits, ``verify(logits, draft_tree)``. Nothing is committed, so the request's state is
     untouched. About 3 forwards per probed size; sizes stop at ``max_nodes``."""
     start = time.perf_counter()
     sizes = [n for n in PROBE_SIZES if n <= max_nodes]
     if sizes[-1] != max_nodes and max_nodes > 1:
         sizes.append(max_nodes)
+    widest = max(topks)
     target_s, verify_s = {}, {}
     for n in sizes:
-        dt = draft(min(max_depth, max(1, n - 1)), n)
+        dt = draft(min(max_depth, max(1, n - 1)), n, widest)
         logits = forward_tree(dt.tree)  # warm-up, and the logits verification times on
         repeats = 3 if n <= 8 else 2
         target_s[n] = _median_time(lambda dt=dt: forward_tree(dt.tree), repeats)
         verify_s[n] = _median_time(lambda dt=dt, lg=logits: verify(lg, dt), 3)
-    draft_base = level = 0.0
+    draft_base, level_s = 0.0, {k: 0.0 for k in topks}
     if max_nodes > 1:
         n = min(max_nodes, 8)
-        draft_base = _median_time(lambda: draft(1, n), 3)
-        deep = min(max_depth, n - 1, 4)
-        if deep > 1:
-            level = max(0.0, (_median_time(lambda: draft(deep, n), 3) - draft_base) / (deep - 1))
-    return CostProfile(key, target_s, draft_base, level, verify_s, time.perf_counter() - start)
+        draft_base = _median_time(lambda: draft(1, n, widest), 3)
+        deep = min(max_depth, n - 1, 3)
+        for k in topks if deep > 1 else ():
+            drafting = _median_time(lambda k=k: draft(deep, n, k), 3)
+            level_s[k] = max(0.0, (drafting - draft_base) / (deep - 1))
+    return CostProfile(key, target_s, draft_base, level_s, verify_s, time.perf_counter() - start)
 
 
 # --- acceptance ----------------------------------------------------------------------------
@@ -218,7 +231,9 @@ class AcceptanceStats:
         self.max_depth, self.sizes, self.decay = max_depth, np.array(sizes), decay
         self.sums = np.zeros((max_depth, len(sizes)))
         self.counts = np.zeros((max_depth, len(sizes)))
-        self.prior = np.array([[_prior(d, n) for n in sizes] for d in range(1, max_depth + 1)])
+        depths = range(1, max_depth + 1)
+        self.prior = np.array([[_prior(d, n) for n in sizes] for d in depths])
+        self.optimistic_prior = np.array([[_prior(d, n, 0.6) for n in sizes] for d in depths])
         self.prior_weight = 1.0
 
     def fade(self) -> None:
@@ -239,10 +254,14 @@ class AcceptanceStats:
             self.sums[d - 1] += np.where(covered, cum[need], 0.0)
             self.counts[d - 1] += covered
 
-    def expected(self) -> np.ndarray:
-        """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N."""
+    def expected(self, optimistic: bool = False) -> np.ndarray:
+        """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N (with an
+        optimistic prior for probing)."""
+        if not optimistic and self.counts.max() < 0.5:
+            return np.zeros_like(self.sums)  # no evidence (left): only a probe drafts this
         w = self.prior_weight
-        est = (w * self.prior + self.sums) / (w + self.counts)
+        prior = self.optimistic_prior if optimistic else self.prior
+        est = (w * prior + self.sums) / (w + self.counts)
         # A tree no step covered (e.g. shallower but wider than any grown) keeps the prior, but
         # no more than the trees with evidence that are at least as deep and as big (they hold
         # its best-ranked nodes): a bound tree that accepts nothing ends speculation.
@@ -264,52 +283,87 @@ def _prior(depth: int, n: int, per_node: float = 0.3) -> float:
 
 
 class AutoTree:
-    """The cost model's choice of tree per step (see the module docstring)."""
+    """The cost model's choice of tree per step (see the module docstring).
+
+    Shapes: topk in topk_choices(bound) (each with its own acceptance replay: the candidates
+    differ), depth <= bound.depth, size in SIZES <= bound.total_tokens. When plain steps win,
+    every ``probe_every`` of them one step drafts the best tree under an optimistic prior
+    instead, so a cold start or an easier stretch of text can turn speculation on; each probe
+    that does not pay doubles the interval (up to 64 steps), a paying tree resets it. While
+    trees pay, every PROBE_SPEC-th step is such a probe too (other widths and sizes get tried).
+    A width no step has drafted (or whose evidence has faded) is drafted only by probes.
+    """
+
+    PROBE_FIRST, PROBE_MAX, PROBE_SPEC = 4, 64, 16
 
     def __init__(self, bound: TreeConfig, profile: CostProfile) -> None:
         self.bound, self.profile = bound, profile
         sizes = tuple(n for n in SIZES if n <= bound.total_tokens) or (bound.total_tokens,)
         if bound.total_tokens not in sizes:
             sizes = tuple(sorted({*sizes, bound.total_tokens}))
-        self.sizes = sizes
-        self.stats = AcceptanceStats(bound.depth, sizes)
+        self.sizes, self.topks = sizes, topk_choices(bound)
+        self.stats = {k: AcceptanceStats(bound.depth, sizes) for k in self.topks}
+        depths = range(1, bound.depth + 1)
         self.step_s = np.array(
-            [[profile.step_s(d, n) for n in sizes] for d in range(1, bound.depth + 1)]
-        )
-        topk = bound.topk
+            [[[profile.step_s(d, n, k) for n in sizes] for d in depths] for k in self.topks]
+        )  # [topks, depth, sizes]
         self.feasible = np.array(
-            [[d <= n - 1 and n <= 1 + topk + (d - 1) * topk * topk for n in sizes]
-             for d in range(1, bound.depth + 1)]
+            [[[d <= n - 1 and n <= 1 + k + (d - 1) * k * k for n in sizes] for d in depths]
+             for k in self.topks]
         )  # fmt: skip
         self.predicted_s = 0.0  # the chosen tree's predicted step time
+        self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, 0
+
+    def _best(self, room: int, wanted: int, optimistic: bool) -> tuple[float, int, int, int]:
+        """(rate, topk index, depth index, size index) of the best feasible tree."""
+        est = np.stack([st.expected(optimistic) for st in self.stats.values()])
+        emitted = np.minimum(1.0 + est, wanted)
+        depths = np.arange(1, self.bound.depth + 1)[None, :, None]
+        sizes = np.array(self.sizes)[None, None, :]
+        ok = self.feasible & (sizes <= room) & (depths <= wanted - 1)
+        rate = np.where(ok, emitted / self.step_s, -1.0)
+        i, d, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
+        return float(rate[i, d, j]), int(i), int(d), int(j)
 
     def choose(self, room: int, wanted: int) -> TreeConfig:
         plain_s = self.profile.plain_step_s()
-        best_rate, best = 1.0 / plain_s, TreeConfig("ar")
         self.predicted_s = plain_s
-        if wanted >= 2 and self.bound.method != "ar":
-            emitted = np.minimum(1.0 + self.stats.expected(), wanted)
-            depths = np.arange(1, self.bound.depth + 1)[:, None]
-            ok = self.feasible & (np.array(self.sizes)[None, :] <= room) & (depths <= wanted - 1)
-            rate = np.where(ok, emitted / self.step_s, -1.0)
-            d, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
-            if rate[d, j] > best_rate:
-                best = dataclasses.replace(
-                    self.bound, depth=int(d) + 1, total_tokens=int(self.sizes[j])
-                )
-                self.predicted_s = float(self.step_s[d, j])
-        return best
+        if wanted < 2 or self.bound.method == "ar":
+            return TreeConfig("ar")
+        rate, i, d, j = self._best(room, wanted, optimistic=False)
+        if rate > 1.0 / plain_s:
+            self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, self.spec_run + 1
+            if self.spec_run >= self.PROBE_SPEC:
+                self.spec_run = 0
+                rate, i, d, j = self._best(room, wanted, optimistic=True)
+        elif self.plain_run + 1 >= self.probe_every:
+            rate, i, d, j = self._best(room, wanted, optimistic=True)
+            self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.PROBE_MAX)
+            if rate <= 0:
+                return TreeConfig("ar")
+        else:
+            self.plain_run += 1
+            return TreeConfig("ar")
+        self.predicted_s = float(self.step_s[i, d, j])
+        return dataclasses.replace(
+            self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
+        )
 
     def observe(self, cfg, tree, verdict, seconds) -> None:
         if tree_shape(cfg) == (0, 1):
-            self.stats.fade()
+            for st in self.stats.values():
+                st.fade()
             return
         depths = tree.depth[0, 1:].cpu().numpy()
         accepted = np.zeros(len(depths))
         n = int(verdict.accept_len[0])
         path = verdict.accept_path[0, 1:n].cpu().numpy()  # node indices past the root
         accepted[path - 1] = 1.0
-        self.stats.add(depths, accepted, cfg.depth)
+        for k, st in self.stats.items():
+            if k == cfg.topk:
+                st.add(depths, accepted, cfg.depth)
+            else:
+                st.fade()
 
 
 def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, pool: str,

@@ -173,7 +173,7 @@ def test_auto_tree_emits_as_many_tokens_as_ar(tiny):
         tiny.target.cfg, tiny.head.cfg, tiny.target.device, tiny.target.dtype,
         pool_kind("rheo", 1.0), TREE["topk"],
     )  # fmt: skip
-    free = CostProfile(key, {1: 1.0, 8: 1.0}, 0.0, 0.0, {1: 0.0, 8: 0.0})
+    free = CostProfile(key, {1: 1.0, 8: 1.0}, 0.0, {2: 0.0}, {1: 0.0, 8: 0.0})
     drafted = 0
     for n in prompt_lengths(CONTEXT, TREE["total_tokens"]):
         for new in NEW_TOKENS:

@@ -395,7 +395,7 @@ def two_step_law_error(target, drafter_table, history, first, policy_for, sampli
 def _profile() -> CostProfile:
     """Costs under which the best tree depends on how much the last step accepted."""
     target_s = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.2, 5: 1.3, 6: 1.4}
-    return CostProfile("toy", target_s, 0.05, 0.1, {n: 0.0 for n in target_s})
+    return CostProfile("toy", target_s, 0.05, {2: 0.1}, {n: 0.0 for n in target_s})
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -411,7 +411,8 @@ def test_tree_chosen_from_history_is_lossless(method):
 
     def policy_for(dt, seq):
         policy = AutoTree(bound, _profile())
-        policy.stats.prior_weight = 0.05  # let one step's evidence dominate
+        for stats in policy.stats.values():
+            stats.prior_weight = 0.05  # let one step's evidence dominate
         policy.observe(first, dt.tree, verdict_of(dt.tree, seq), 1.0)
         return policy.choose(room=100, wanted=100)
 

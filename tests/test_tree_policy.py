@@ -3,6 +3,8 @@ engine. Losslessness of a history-dependent tree is proven in test_lossless.py (
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,8 @@ BOUND = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
 
 
 def profile(target_s: dict[int, float], level_s: float = 0.0) -> CostProfile:
-    return CostProfile("toy", target_s, 0.0, level_s, {n: 0.0 for n in target_s})
+    levels = {k: level_s for k in (2, 4, 10)}
+    return CostProfile("toy", target_s, 0.0, levels, {n: 0.0 for n in target_s})
 
 
 def test_replay_fills_every_smaller_tree():
@@ -50,51 +53,62 @@ def test_deeper_than_grown_is_not_evidence():
     assert stats.counts[2].tolist() == [0, 0]  # a depth-3 tree was never grown
 
 
+DEPTHS = torch.tensor([[0] + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3], dtype=torch.int32)
+FAKE_TREE = SimpleNamespace(depth=DEPTHS)  # 16 nodes in rank order, 4 per depth
+GROWN = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
+
+
+def verdict(path: list[int]) -> SimpleNamespace:
+    accept_path = torch.tensor([[0, *path] + [-1] * (16 - 1 - len(path))], dtype=torch.int32)
+    return SimpleNamespace(accept_len=torch.tensor([1 + len(path)]), accept_path=accept_path)
+
+
+def trained(prof: CostProfile, path: list[int], steps: int = 10) -> AutoTree:
+    """A policy that has seen ``steps`` topk-4 trees accept ``path`` (node indices)."""
+    policy = AutoTree(BOUND, prof)
+    for _ in range(steps):
+        policy.observe(GROWN, FAKE_TREE, verdict(path), 1.0)
+    return policy
+
+
 def test_plain_step_when_trees_cost_too_much():
     costly = profile({1: 1.0, 2: 3.0, 16: 40.0})
-    policy = AutoTree(BOUND, costly)
-    assert policy.choose(room=100, wanted=100).method == "ar"
+    assert trained(costly, [1, 5, 9, 13]).choose(room=100, wanted=100).method == "ar"
     cheap = profile({1: 1.0, 2: 1.0, 16: 1.1})
-    assert AutoTree(BOUND, cheap).choose(room=100, wanted=100).method == "rheo"
+    assert trained(cheap, [1, 5, 9, 13]).choose(room=100, wanted=100).method == "rheo"
+
+
+def test_a_cold_start_drafts_only_probes():
+    """No evidence yet: plain steps, and the fourth step probes the best optimistic tree."""
+    policy = AutoTree(BOUND, profile({1: 1.0, 2: 1.0, 16: 1.1}))
+    methods = [policy.choose(100, 100).method for _ in range(4)]
+    assert methods == ["ar", "ar", "ar", "rheo"]
 
 
 def test_choice_respects_room_and_wanted():
-    cheap = profile({1: 1.0, 16: 1.0})
-    policy = AutoTree(BOUND, cheap)
-    cfg = policy.choose(room=5, wanted=100)
-    assert cfg.total_tokens <= 5
-    cfg = policy.choose(room=100, wanted=2)
-    assert cfg.depth == 1
+    policy = trained(profile({1: 1.0, 16: 1.0}), [1, 5, 9, 13])
+    assert policy.choose(room=5, wanted=100).total_tokens <= 5
+    assert policy.choose(room=100, wanted=2).depth == 1
     assert policy.choose(room=100, wanted=1).method == "ar"
 
 
 def test_acceptance_moves_the_choice():
     """A tree that accepts everything grows the choice; one that accepts nothing ends in plain
-    steps; then fading brings the prior back and speculation is probed again."""
+    steps; once the evidence has faded only probes draft, and a probe comes within 4 steps."""
     prof = profile({1: 1.0, 2: 1.3, 4: 1.5, 8: 1.9, 16: 3.0}, level_s=0.05)
-    policy = AutoTree(BOUND, prof)
-    tree = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
-    depths = torch.tensor([[0] + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3], dtype=torch.int32)
-    fake_tree = type("T", (), {"depth": depths})()
-
-    def verdict(path):
-        acc = torch.tensor([[0, *path] + [-1] * (16 - 1 - len(path))], dtype=torch.int32)
-        return type("V", (), {"accept_len": torch.tensor([1 + len(path)]), "accept_path": acc})()
-
-    for _ in range(10):
-        policy.observe(tree, fake_tree, verdict([1, 5, 9, 13]), 1.0)
+    policy = trained(prof, [1, 5, 9, 13])
     big = policy.choose(100, 100)
     assert big.method == "rheo" and big.depth >= 3
     for _ in range(30):
-        policy.observe(tree, fake_tree, verdict([]), 1.0)
+        policy.observe(GROWN, FAKE_TREE, verdict([]), 1.0)
     assert policy.choose(100, 100).method == "ar"
     for _ in range(200):
         policy.observe(TreeConfig("ar"), None, None, 1.0)  # plain steps: evidence fades
-    assert policy.choose(100, 100).method == "rheo"
+    assert "rheo" in [policy.choose(100, 100).method for _ in range(policy.probe_every)]
 
 
 def test_profile_round_trip_and_bad_file(tmp_path):
-    prof = CostProfile("k", {1: 0.1, 8: 0.2}, 0.01, 0.02, {1: 0.0, 8: 0.001}, 1.5)
+    prof = CostProfile("k", {1: 0.1, 8: 0.2}, 0.01, {4: 0.02, 10: 0.03}, {1: 0.0, 8: 0.001}, 1.5)
     prof.save(tmp_path / "p.json")
     assert CostProfile.load(tmp_path / "p.json") == prof
     (tmp_path / "bad.json").write_text("{not json")
@@ -128,7 +142,7 @@ def cheap_profile(engine, method: str, temperature: float) -> CostProfile:
     key = profile_key(
         engine.target.cfg, engine.head.cfg, engine.target.device, engine.target.dtype, pool, 10
     )
-    return CostProfile(key, {1: 1.0, 60: 1.2}, 0.0, 0.01, {1: 0.0, 60: 0.0})
+    return CostProfile(key, {1: 1.0, 60: 1.2}, 0.0, {10: 0.01}, {1: 0.0, 60: 0.0})
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +182,7 @@ def test_bad_tree_and_mismatched_profile(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"tree='big' is not one of \['auto', 'fixed'\]"):
         tiny.generate(PROMPT, 4, tree="big")
     wrong = tmp_path / "wrong.json"
-    CostProfile("another machine", {1: 1.0}, 0.0, 0.0, {1: 0.0}).save(wrong)
+    CostProfile("another machine", {1: 1.0}, 0.0, {10: 0.0}, {1: 0.0}).save(wrong)
     with pytest.raises(ValueError, match=r"cost profile measured for 'another machine'"):
         tiny.generate(PROMPT, 4, cost_profile=wrong)
 
@@ -176,3 +190,26 @@ def test_bad_tree_and_mismatched_profile(tiny, tmp_path):
 def test_fixed_tree_keeps_the_configured_shape(tiny):
     gen = tiny.generate(PROMPT, 12, temperature=0, tree="fixed", topk=4, depth=3, total_tokens=8)
     assert (3, 8) in gen.trees.shapes and gen.trees.predicted_s == 0
+
+
+def test_plain_steps_probe_speculation_now_and_then():
+    """Under a prior that never pays, a tree is still drafted after 4 plain steps, then after
+    8, 16, ... (each failed probe doubles the wait, up to 64)."""
+    prof = profile({1: 1.0, 2: 1.6, 16: 4.0}, level_s=0.1)
+    policy = AutoTree(BOUND, prof)
+    drafted = []
+    for step in range(80):
+        cfg = policy.choose(100, 100)
+        if cfg.method != "ar":
+            drafted.append(step)
+        policy.observe(TreeConfig("ar"), None, None, 1.0)  # (the probe's outcome is not fed)
+    assert drafted[:4] == [3, 11, 27, 59]
+
+
+def test_narrower_trees_are_chosen_when_levels_cost_by_row():
+    """When a level of 4 rows costs far less than one of 10, the first probe drafts topk 2 or 4."""
+    prof = CostProfile("toy", {1: 1.0, 16: 1.1}, 0.0, {2: 0.2, 4: 0.2, 10: 2.0}, {1: 0.0})
+    bound = TreeConfig("rheo", topk=10, depth=4, total_tokens=16)
+    policy = AutoTree(bound, prof)
+    cfg = [policy.choose(100, 100) for _ in range(4)][-1]
+    assert cfg.topk in (2, 4) and cfg.depth >= 2

@@ -37,6 +37,7 @@ class Eagle3Drafter:
         self._tree_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=head.device)
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed, not yet run
+        self._pending_rows = 0
 
     def _empty_rows(self) -> torch.Tensor:
         c = self.head.cfg
@@ -46,12 +47,12 @@ class Eagle3Drafter:
     @property
     def length(self) -> int:
         """m, the committed pairs (RoPE positions 0..m-1), those waiting to run included."""
-        return self.cache.length + sum(f.shape[1] for f, _ in self._pending)
+        return self.cache.length + self._pending_rows
 
     def reset(self) -> None:
         """Forget every pair, e.g. before a new prompt."""
         self.cache.truncate(0)
-        self._last_h, self._level, self._pending = None, -1, []
+        self._last_h, self._level, self._pending, self._pending_rows = None, -1, [], 0
 
     def _flush(self) -> None:
         """Run the pairs that commits left waiting, in one head forward."""
@@ -59,7 +60,7 @@ class Eagle3Drafter:
             return
         features = torch.cat([f for f, _ in self._pending], 1)
         tokens = torch.cat([t for _, t in self._pending], 1)
-        self._pending = []
+        self._pending, self._pending_rows = [], 0
         self._append_pairs(features, tokens)
 
     @torch.no_grad()
@@ -182,6 +183,12 @@ class Eagle3Drafter:
                 "the EAGLE-3 drafter needs the target's features at the tree nodes; run the "
                 f"target with feature_layers={self.head.feature_layers}"
             )
+        if tree.tokens.shape[1] == 1:  # a plain step: the root's pair, nothing to gather
+            self._check_room(1)
+            self._pending.append((features, verdict.bonus_token.view(-1, 1).long()))
+            self._pending_rows += 1
+            self._level = -1
+            return
         lens = verdict.accept_len.long()
         if bool((lens != lens[0]).any()):
             raise ValueError(
@@ -194,11 +201,14 @@ class Eagle3Drafter:
         feats = features.gather(1, path.unsqueeze(2).expand(B, n, F_in))  # [B, n, F]
         accepted = tree.tokens.to(path.device).long().gather(1, path[:, 1:])  # [B, n - 1]
         bonus = verdict.bonus_token.to(path.device).long().view(B, 1)
-        tokens = torch.cat((accepted, bonus), 1)
+        self._check_room(n)
+        self._pending.append((feats, torch.cat((accepted, bonus), 1)))
+        self._pending_rows += n
+        self._level = -1
+
+    def _check_room(self, n: int) -> None:
         if self.length + n > self.max_len:
             raise ValueError(
                 f"the draft head needs {self.length + n} rows but its cache holds "
                 f"max_len={self.max_len}; raise max_len / shorten the prompt"
             )
-        self._pending.append((feats, tokens))
-        self._level = -1
