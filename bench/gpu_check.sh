@@ -95,7 +95,7 @@ fi
 
 # 2. CUDA tests of the kernels, 3. kernel benches on the GPU
 KERNEL_TESTS=(tests/test_pool_sampler.py tests/test_proxy_rerank.py tests/test_tree_attention.py
-              tests/test_verification.py)
+              tests/test_verification.py tests/test_skinny_linear.py)
 if [ "$BUILT" = 0 ]; then
     step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -k cuda "${KERNEL_TESTS[@]}"
     check_ran cuda_tests

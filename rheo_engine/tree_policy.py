@@ -376,3 +376,39 @@ def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, 
     return f"{shapes}, {device.type}, {str(dtype).replace('torch.', '')}, " + (
         f"{torch.get_num_threads()} threads, {pool} pool, topk {topk}"
     )
+
+
+def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 4), (4, 16, 4),
+                                                   (3, 8, 10), (8, 60, 10))) -> str:  # fmt: skip
+    """Markdown: each (depth, N, topk) tree's predicted step time and the tau it needs to
+    match a plain step (step time / plain step time)."""
+    plain = profile.plain_step_s()
+    lines = [
+        f"plain step: {1e3 * plain:.2f} ms ({profile.key})",
+        "| depth | N | topk | step ms | break-even τ |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for depth, n, topk in shapes:
+        step = profile.step_s(depth, n, topk)
+        lines.append(f"| {depth} | {n} | {topk} | {1e3 * step:.1f} | {step / plain:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rheo_engine.tree_policy PROFILE.json`: the break-even tau of some trees."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m rheo_engine.tree_policy PROFILE.json (from --cost-profile)")
+        return 2
+    try:
+        print(break_even_table(CostProfile.load(args[0])), end="")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -213,3 +213,15 @@ def test_narrower_trees_are_chosen_when_levels_cost_by_row():
     policy = AutoTree(bound, prof)
     cfg = [policy.choose(100, 100) for _ in range(4)][-1]
     assert cfg.topk in (2, 4) and cfg.depth >= 2
+
+
+def test_break_even_table_from_a_saved_profile(tmp_path, capsys):
+    from rheo_engine.tree_policy import main
+
+    prof = CostProfile("toy", {1: 0.1, 2: 0.11, 60: 1.0}, 0.001, {2: 0.01, 10: 0.02}, {1: 0.0})
+    prof.save(tmp_path / "p.json")
+    assert main([str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    # depth 1, N = 2, topk 2: 1 + 10 + 110 ms = 121 ms, 1.21 plain steps
+    assert "plain step: 100.00 ms (toy)" in out and "| 1 | 2 | 2 | 121.0 | 1.21 |" in out
+    assert main([str(tmp_path / "missing.json")]) == 2
