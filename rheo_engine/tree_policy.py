@@ -289,12 +289,15 @@ class AutoTree:
     differ), depth <= bound.depth, size in SIZES <= bound.total_tokens. When plain steps win,
     every ``probe_every`` of them one step drafts the best tree under an optimistic prior
     instead, so a cold start or an easier stretch of text can turn speculation on; each probe
-    that does not pay doubles the interval (up to 64 steps), a paying tree resets it. While
+    that does not pay doubles the interval (up to 256 steps), a paying tree resets it. While
     trees pay, every PROBE_SPEC-th step is such a probe too (other widths and sizes get tried).
     A width no step has drafted (or whose evidence has faded) is drafted only by probes.
     """
 
-    PROBE_FIRST, PROBE_MAX, PROBE_SPEC = 4, 64, 16
+    # A probe costs at most PROBE_COST plain steps (predicted), so probing a machine where
+    # trees never pay costs a few percent; a tree must beat a plain step by MARGIN to be
+    # chosen without probing (the model predicts step times ~5-15% short: BENCHMARKS.md).
+    PROBE_FIRST, PROBE_MAX, PROBE_SPEC, PROBE_COST, MARGIN = 8, 256, 16, 2.0, 1.05
 
     def __init__(self, bound: TreeConfig, profile: CostProfile) -> None:
         self.bound, self.profile = bound, profile
@@ -315,12 +318,15 @@ class AutoTree:
         self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, 0
 
     def _best(self, room: int, wanted: int, optimistic: bool) -> tuple[float, int, int, int]:
-        """(rate, topk index, depth index, size index) of the best feasible tree."""
+        """(rate, topk index, depth index, size index) of the best feasible tree; a probe
+        (optimistic) only among trees predicted to cost at most PROBE_COST plain steps."""
         est = np.stack([st.expected(optimistic) for st in self.stats.values()])
         emitted = np.minimum(1.0 + est, wanted)
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
         sizes = np.array(self.sizes)[None, None, :]
         ok = self.feasible & (sizes <= room) & (depths <= wanted - 1)
+        if optimistic:
+            ok &= self.step_s <= self.PROBE_COST * self.profile.plain_step_s()
         rate = np.where(ok, emitted / self.step_s, -1.0)
         i, d, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return float(rate[i, d, j]), int(i), int(d), int(j)
@@ -331,7 +337,7 @@ class AutoTree:
         if wanted < 2 or self.bound.method == "ar":
             return TreeConfig("ar")
         rate, i, d, j = self._best(room, wanted, optimistic=False)
-        if rate > 1.0 / plain_s:
+        if rate > self.MARGIN / plain_s:
             self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, self.spec_run + 1
             if self.spec_run >= self.PROBE_SPEC:
                 self.spec_run = 0

@@ -79,10 +79,10 @@ def test_plain_step_when_trees_cost_too_much():
 
 
 def test_a_cold_start_drafts_only_probes():
-    """No evidence yet: plain steps, and the fourth step probes the best optimistic tree."""
+    """No evidence yet: plain steps, and the eighth step probes the best optimistic tree."""
     policy = AutoTree(BOUND, profile({1: 1.0, 2: 1.0, 16: 1.1}))
-    methods = [policy.choose(100, 100).method for _ in range(4)]
-    assert methods == ["ar", "ar", "ar", "rheo"]
+    methods = [policy.choose(100, 100).method for _ in range(8)]
+    assert methods == ["ar"] * 7 + ["rheo"]
 
 
 def test_choice_respects_room_and_wanted():
@@ -94,7 +94,7 @@ def test_choice_respects_room_and_wanted():
 
 def test_acceptance_moves_the_choice():
     """A tree that accepts everything grows the choice; one that accepts nothing ends in plain
-    steps; once the evidence has faded only probes draft, and a probe comes within 4 steps."""
+    steps; once the evidence has faded only probes draft, and a probe comes within 8 steps."""
     prof = profile({1: 1.0, 2: 1.3, 4: 1.5, 8: 1.9, 16: 3.0}, level_s=0.05)
     policy = trained(prof, [1, 5, 9, 13])
     big = policy.choose(100, 100)
@@ -193,17 +193,17 @@ def test_fixed_tree_keeps_the_configured_shape(tiny):
 
 
 def test_plain_steps_probe_speculation_now_and_then():
-    """Under a prior that never pays, a tree is still drafted after 4 plain steps, then after
-    8, 16, ... (each failed probe doubles the wait, up to 64)."""
+    """Under a prior that never pays, a tree is still drafted after 8 plain steps, then after
+    16, 32, ... (each failed probe doubles the wait, up to 256)."""
     prof = profile({1: 1.0, 2: 1.6, 16: 4.0}, level_s=0.1)
     policy = AutoTree(BOUND, prof)
     drafted = []
-    for step in range(80):
+    for step in range(130):
         cfg = policy.choose(100, 100)
         if cfg.method != "ar":
             drafted.append(step)
         policy.observe(TreeConfig("ar"), None, None, 1.0)  # (the probe's outcome is not fed)
-    assert drafted[:4] == [3, 11, 27, 59]
+    assert drafted[:4] == [7, 23, 55, 119]
 
 
 def test_narrower_trees_are_chosen_when_levels_cost_by_row():
@@ -211,7 +211,7 @@ def test_narrower_trees_are_chosen_when_levels_cost_by_row():
     prof = CostProfile("toy", {1: 1.0, 16: 1.1}, 0.0, {2: 0.2, 4: 0.2, 10: 2.0}, {1: 0.0})
     bound = TreeConfig("rheo", topk=10, depth=4, total_tokens=16)
     policy = AutoTree(bound, prof)
-    cfg = [policy.choose(100, 100) for _ in range(4)][-1]
+    cfg = [policy.choose(100, 100) for _ in range(8)][-1]
     assert cfg.topk in (2, 4) and cfg.depth >= 2
 
 
