@@ -6,10 +6,10 @@ m + l - 1 (m = committed pairs), each seeing the committed pairs, its ancestors 
 frontier nodes and itself. Their K/V lives outside the cache and is dropped at commit, where
 the accepted pairs are recomputed from the target's features, as EAGLE does (§2.4).
 
-Commits are lazy: a step's accepted pairs wait until the head next drafts (root_logits) and
-then run in one forward with any others waiting. A run of plain steps (the cost model's
-choice when no tree pays) thus costs the head nothing until speculation resumes, and then
-one forward over all the pairs it missed, not one per step.
+Commits are lazy: a step's accepted pairs (and the prompt's) wait until the head next drafts
+(root_logits) and then run in one forward with any others waiting. A run of plain steps (the
+cost model's choice when no tree pays) thus costs the head nothing until speculation resumes,
+and then one forward over all the pairs it missed, not one per step.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class Eagle3Drafter:
     @torch.no_grad()
     def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Append the pairs (features [B, L, F] of token j, target ids next_tokens [B, L] of
-        token j + 1) at the next L positions; the first call holds the prompt's pairs."""
+        token j + 1) at the next L positions; the first call holds the prompt's pairs. Like a
+        commit, they run when the head next drafts (a request of plain steps never runs it)."""
         F_in = len(self.head.feature_layers) * self.head.cfg.target_hidden_size
         B = self.batch
         if features.dim() != 3 or features.shape[0] != B or features.shape[2] != F_in:
@@ -79,8 +80,10 @@ class Eagle3Drafter:
                 f"next_tokens must be [B, L] = {list(features.shape[:2])} (one per feature), "
                 f"got {list(next_tokens.shape)}"
             )
-        self._flush()
-        self._append_pairs(features, next_tokens.long())
+        self._check_room(features.shape[1])
+        self._pending.append((features, next_tokens.long()))
+        self._pending_rows += features.shape[1]
+        self._level = -1
 
     def _append_pairs(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
         B, n, _ = features.shape
