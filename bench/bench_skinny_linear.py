@@ -13,15 +13,14 @@ down) and the default pair's target (weights/default/target/config.json), n rows
 from __future__ import annotations
 
 import json
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import commit_id, hardware
 from inputs import ArgumentParser
 
 from rheo_engine import kernels
@@ -51,27 +50,6 @@ def default_pair_shapes() -> list[tuple[str, tuple[int, int]]]:
         ("default down", (hidden, inter)),
         ("default lm_head", (c["vocab_size"], hidden)),
     ]
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
-        return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -127,9 +105,9 @@ def main() -> None:
         shapes += LLAMA_1B if name == "llama1b" else default_pair_shapes()
     budget_s = 0.1 if args.quick else 1.0
     print(
-        f"# skinny_linear bench: cpu={cpu_name()} capability="
+        f"# skinny_linear bench: cpu={hardware('cpu')} capability="
         f"{torch.backends.cpu.get_cpu_capability()} torch={torch.__version__} "
-        f"build={kernels.build_info()} commit={git_commit()}; L2 flushed before each call"
+        f"build={kernels.build_info()} commit={commit_id()}; L2 flushed before each call"
     )
     columns = ["dtype", "matrix", "W [out, in]", "n", "threads", "F.linear ms", "skinny ms"]
     columns += ["speedup", "skinny GB/s"]

@@ -112,6 +112,18 @@ def stories_trained_head(stories_dir: Path, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a test module (`pytestmark = pytest.mark.usefixtures(
+    "one_thread")`): these models are small, one thread is fastest and spares CI's cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def default_engine():
     """The embedded default pair as shipped (bf16), loaded with no arguments, on one thread
     (the models are small: one thread is fastest, and spares CI's shared cores)."""

@@ -50,12 +50,7 @@ DEFAULT = ROOT / "weights" / "default"
 QUESTIONS = ["def add(a, b):", "Complete the code I provided.\n\nclass Stack:\n    def push(self"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,7 @@ GREEDY_PROMPTS = ["def quicksort(xs):", "class Stack:\n"]
 GREEDY_TOKENS = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are small: one thread is fastest, and spares CI's shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
