@@ -45,6 +45,22 @@ template <typename... Args>
     if (!(cond)) ::rheo::fail(__VA_ARGS__); \
   } while (0)
 
+// ---------------------------------------------------------------------------------------------
+// Status bits: how a CUDA kernel reports bad input without a host sync. The CPU kernels raise;
+// a CUDA kernel that finds bad input ORs a bit into *status (a [1] int32 device word the caller
+// passes, or null), writes outputs that stay in range (so the step's later kernels never index
+// out of bounds) and goes on. The host reads the word once per step, with the step's results, and
+// raises the CPU kernel's error for the bit (rheo_engine.kernels.raise_status).
+// ---------------------------------------------------------------------------------------------
+enum StatusBit : int32_t {
+  kStatusNonFiniteDraft = 1,   // pool sampler: a NaN/inf draft logit (row gets no Y, finite junk)
+  kStatusBadForced = 2,        // pool sampler: a forced token that cannot be Y
+  kStatusNanScore = 4,         // select_expand / build_tree: a NaN path score
+  kStatusBadTree = 8,          // build_tree: parents, ancestor closure, depth or prefix_len
+  kStatusNonFiniteTarget = 16, // verification: a NaN/inf target logit at a visited node
+  kStatusBadVerifyInput = 32,  // verification: the tree or the q~ table breaks its rules
+};
+
 // Element type of a logits / activation buffer. kFloat64 exists for the exact (float64) tests.
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 

@@ -79,6 +79,7 @@ struct PoolSamplerArgs {
   int32_t* q_tilde_ids = nullptr;   // [n, Se]
   void* q_tilde = nullptr;          // [n, Se] acc_t
   void* q_sampled = nullptr;        // [n] acc_t
+  int32_t* status = nullptr;        // [1] or null: CUDA status bits (common.h StatusBit)
 };
 
 // Validates the scalar arguments (K, m, S, T, V) with messages that say how to fix them.

@@ -56,6 +56,7 @@ struct SelectExpandArgs {
   int64_t M = 0;
   int32_t topk = 0;
   int32_t* expand = nullptr;  // [B, topk]
+  int32_t* status = nullptr;  // [1] or null: CUDA status bits (common.h StatusBit)
 };
 
 struct BuildTreeArgs {
@@ -80,6 +81,7 @@ struct BuildTreeArgs {
   uint8_t* tree_mask = nullptr;         // [B, N, N]
   int32_t* retrieve_indices = nullptr;  // [B, N, max_depth + 1]
   int32_t* n_leaves = nullptr;          // [B]
+  int32_t* status = nullptr;            // [1] or null: CUDA status bits (common.h StatusBit)
 };
 
 void select_expand_cpu(const SelectExpandArgs& args);

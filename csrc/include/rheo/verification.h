@@ -86,6 +86,9 @@ struct VerificationArgs {
   int64_t path_capacity = 0;
   int32_t* accept_len = nullptr;   // [B]
   int32_t* bonus_token = nullptr;  // [B]
+  int32_t* status = nullptr;       // [1] or null: CUDA status bits (common.h StatusBit)
+  double* workspace = nullptr;     // [B, V] residual weights: verification_cuda only (the
+                                   // binding allocates it through torch's caching allocator)
   // outputs of verification_law_cpu
   void* accept_prob = nullptr;  // [B, N] acc_t
   void* emit_prob = nullptr;    // [B, N, V] acc_t
