@@ -16,13 +16,11 @@
 //   5. all threads write q~.
 // An invalid forced token cannot raise here: its row gets sampled_slot = -1 and the binding
 // reports it. Non-finite logits are not detected on this path (the CPU kernel rejects them).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cfloat>
 #include <cstdint>
 
+#include "device_utils.cuh"
 #include "rheo/pool_sampler.h"
 
 namespace rheo {
@@ -266,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) pool_sampler_kernel(PoolSamplerArgs 
 
 template <typename Src, typename Acc, typename Key>
 cudaError_t launch(const PoolSamplerArgs& a, cudaStream_t stream) {
-  pool_sampler_kernel<Src, Acc, Key><<<static_cast<unsigned int>(a.n), kThreads, 0, stream>>>(a);
+  pool_sampler_kernel<Src, Acc, Key> RHEO_LAUNCH(static_cast<unsigned int>(a.n), kThreads, 0, stream)(a);
   return cudaGetLastError();
 }
 

@@ -14,10 +14,10 @@
 // Errors: a kernel cannot raise without a sync, so an invalid entry (NaN score, parent out of
 // range, prefix_len < 0, kept set not ancestor-closed or not topological, depth > max_depth) gets
 // n_leaves[b] = -1 and select_expand writes expand[b, :] = -1 for a row holding a NaN score.
-#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "device_utils.cuh"
 #include "rheo/common.h"
 #include "rheo/proxy_rerank.h"
 
@@ -37,7 +37,7 @@ __device__ int32_t rank_of(const float* scores, int32_t n, int32_t c) {
 
 // grid = B, block = kThreads; dynamic shared = M floats when `staged`.
 __global__ void select_expand_kernel(SelectExpandArgs a, bool staged) {
-  extern __shared__ float staged_scores[];
+  RHEO_DYNAMIC_SHARED(float, staged_scores);
   const int32_t M = static_cast<int32_t>(a.M);
   const float* row = a.scores + blockIdx.x * a.M;
   int32_t* expand = a.expand + blockIdx.x * static_cast<int64_t>(a.topk);
@@ -144,7 +144,7 @@ __device__ bool lay_out(const BuildTreeArgs& a, const uint8_t* is_leaf) {
 
 // grid = B, block = kThreads; dynamic shared = [L floats when `staged`] then N bytes (is_leaf).
 __global__ void build_tree_kernel(BuildTreeArgs a, bool staged) {
-  extern __shared__ float shared[];
+  RHEO_DYNAMIC_SHARED(float, shared);
   float* staged_scores = staged ? shared : nullptr;
   uint8_t* is_leaf = reinterpret_cast<uint8_t*>(shared + (staged ? a.L : 0));
   const float* scores = staged ? shared : a.cand_scores + blockIdx.x * a.L;
@@ -160,7 +160,7 @@ cudaError_t select_expand_cuda(const SelectExpandArgs& args, cudaStream_t stream
   if (args.topk < 1 || args.topk > args.M || args.M > INT32_MAX) return cudaErrorInvalidValue;
   const size_t bytes = static_cast<size_t>(args.M) * sizeof(float);
   const bool staged = bytes <= kSharedLimit;
-  select_expand_kernel<<<static_cast<unsigned>(args.B), kThreads, staged ? bytes : 0, stream>>>(
+  select_expand_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads, staged ? bytes : 0, stream)(
       args, staged);
   return cudaGetLastError();
 }
@@ -173,8 +173,8 @@ cudaError_t build_tree_cuda(const BuildTreeArgs& args, cudaStream_t stream) {
   const size_t score_bytes = static_cast<size_t>(args.L) * sizeof(float);
   const bool staged = score_bytes + leaf_bytes <= kSharedLimit;
   if (leaf_bytes > kSharedLimit) return cudaErrorInvalidValue;  // N > 49152 nodes
-  build_tree_kernel<<<static_cast<unsigned>(args.B), kThreads,
-                      staged ? score_bytes + leaf_bytes : leaf_bytes, stream>>>(args, staged);
+  build_tree_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads,
+                      staged ? score_bytes + leaf_bytes : leaf_bytes, stream)(args, staged);
   return cudaGetLastError();
 }
 

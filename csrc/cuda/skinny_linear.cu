@@ -8,11 +8,10 @@
 // every lane, and lane c writes y[c, o]. Same math as the CPU kernel: float32 products and
 // sums, one rounding to the output dtype (bf16: to nearest even). Many rows (a prefill) belong to
 // cuBLAS; this kernel is for the decode step and the draft tree.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "device_utils.cuh"
 #include "rheo/skinny_linear.h"
 
 namespace rheo {
@@ -22,28 +21,9 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxRows = 8;  // rows of x per pass over a W row: kMaxRows float accumulators
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, offset);
-  return x;
-}
+using cuda::from_float;
+using cuda::to_float;
+using cuda::warp_sum;
 
 // kVec consecutive elements, loaded in one instruction when aligned to their size (16 bytes for
 // kVec = 16 / sizeof(T); plain element loads for kVec = 1).
@@ -95,9 +75,9 @@ cudaError_t launch(const SkinnyLinearArgs& args, cudaStream_t stream) {
   const int64_t blocks = (args.o_end - args.o_begin + kWarps - 1) / kWarps;
   if (can_vectorize<T>(args)) {
     skinny_linear_kernel<T, 16 / sizeof(T)>
-        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args);
+         RHEO_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, stream)(args);
   } else {
-    skinny_linear_kernel<T, 1><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args);
+    skinny_linear_kernel<T, 1> RHEO_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, stream)(args);
   }
   return cudaGetLastError();
 }

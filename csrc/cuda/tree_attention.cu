@@ -9,13 +9,11 @@
 // scores, softmax and V sum for every dtype; masked pairs get weight 0; a node that sees no row
 // gets zeros. Faster designs (all G heads of a KV head and a tile of nodes per block, tensor
 // cores, split-KV for long prefixes, as in flashinfer) would cut the L2 traffic by G.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "device_utils.cuh"
 #include "rheo/tree_attention.h"
 
 namespace rheo {
@@ -25,32 +23,9 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kMaxHeadDim = 2048;  // shared memory: (kWarps + 1) * D floats <= 40 KiB
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, offset);
-  return x;
-}
+using cuda::from_float;
+using cuda::to_float;
+using cuda::warp_sum;
 
 // One warp's online softmax over its rows: returns its running max and sum; acc [D] (shared,
 // this warp's slice) holds sum_j exp(s_j - max) * v_j.
@@ -86,7 +61,7 @@ __device__ void attend_rows(const TreeAttentionArgs& a, const float* q, float* a
 
 template <typename T>
 __global__ void tree_attention_kernel(TreeAttentionArgs a) {
-  extern __shared__ float smem[];
+  RHEO_DYNAMIC_SHARED(float, smem);
   float* q = smem;                     // [D]          the query row, float32
   float* acc = smem + a.D;             // [kWarps, D]  each warp's V accumulator
   __shared__ float warp_max[kWarps], warp_sum_exp[kWarps];
@@ -128,7 +103,7 @@ cudaError_t launch(const TreeAttentionArgs& args, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(args.N), static_cast<unsigned>(args.H),
                   static_cast<unsigned>(args.B));
   const size_t smem = static_cast<size_t>(kWarps + 1) * args.D * sizeof(float);
-  tree_attention_kernel<T><<<grid, kThreads, smem, stream>>>(args);
+  tree_attention_kernel<T> RHEO_LAUNCH(grid, kThreads, smem, stream)(args);
   return cudaGetLastError();
 }
 

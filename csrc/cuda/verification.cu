@@ -8,12 +8,10 @@
 // sums add in another order, so a coin within rounding of a threshold may go the other way.
 // A non-finite logit at a visited node cannot raise here: the tree gets accept_len 0 and
 // bonus_token -1 (the binding checks everything else on the host first).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "device_utils.cuh"
 #include "rheo/verification.h"
 
 namespace rheo {
@@ -336,7 +334,7 @@ __device__ int32_t draw_from(const VerificationArgs& a, const double* w, double 
 }
 
 __global__ void verification_kernel(VerificationArgs a, double* workspace) {
-  extern __shared__ int32_t order[];  // [N] children in verification order
+  RHEO_DYNAMIC_SHARED(int32_t, order);  // [N] children in verification order
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
   double* w = workspace + b * a.V;
@@ -372,7 +370,7 @@ cudaError_t verification_cuda(const VerificationArgs& args, cudaStream_t stream)
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&workspace),
                                     static_cast<size_t>(args.B * args.V) * sizeof(double), stream);
   if (err != cudaSuccess) return err;
-  verification_kernel<<<static_cast<unsigned>(args.B), kThreads, order_bytes, stream>>>(args,
+  verification_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads, order_bytes, stream)(args,
                                                                                        workspace);
   err = cudaGetLastError();
   const cudaError_t free_err = cudaFreeAsync(workspace, stream);

@@ -1,0 +1,250 @@
+// Self-test of the CPU emulator (csrc/emu/rheo_emu.h): the semantics the kernels rely on, and
+// that each misuse the emulator promises to catch is caught. Compiled as host C++ with the
+// emulator (tests/cuda_emu/CMakeLists.txt); run by tests/test_cuda_emu.py.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "device_utils.cuh"
+
+namespace {
+
+int failures = 0;
+
+#define CHECK(cond, ...)                                         \
+  do {                                                           \
+    if (!(cond)) {                                               \
+      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                \
+    }                                                            \
+  } while (0)
+
+bool message_has(const char* text) {
+  return rheo_emu::last_error_message().find(text) != std::string::npos;
+}
+
+// --- semantics -----------------------------------------------------------------------------
+
+__global__ void shuffles(int* out, double* dout, int width) {
+  const int t = threadIdx.x, lane = t % 32;
+  const int base = t * 8;
+  out[base + 0] = __shfl_xor_sync(0xFFFFFFFFu, t, 5, width);
+  out[base + 1] = __shfl_up_sync(0xFFFFFFFFu, t, 3, width);
+  out[base + 2] = __shfl_down_sync(0xFFFFFFFFu, t, 3, width);
+  out[base + 3] = __shfl_sync(0xFFFFFFFFu, t, 7, width);
+  out[base + 4] = static_cast<int>(__ballot_sync(0xFFFFFFFFu, lane % 3 == 0));
+  out[base + 5] = __any_sync(0xFFFFFFFFu, lane == 31) + 2 * __all_sync(0xFFFFFFFFu, lane < 31);
+  out[base + 6] = static_cast<int>(__match_any_sync(0xFFFFFFFFu, lane / 8));
+  out[base + 7] = __popc(static_cast<unsigned>(t) * 2654435761u);
+  dout[t] = __shfl_xor_sync(0xFFFFFFFFu, 0.5 * t, 1, width);
+}
+
+void test_shuffles() {
+  for (int width : {32, 16, 8}) {
+    std::vector<int> out(64 * 8);
+    std::vector<double> dout(64);
+    shuffles RHEO_LAUNCH(1, 64, 0, nullptr)(out.data(), dout.data(), width);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    for (int t = 0; t < 64; ++t) {
+      const int lane = t % 32, seg = lane / width * width, w = t / 32 * 32;
+      const int* o = &out[t * 8];
+      const int x = lane ^ 5;
+      CHECK(o[0] == (x / width > lane / width ? t : w + x));
+      CHECK(o[1] == (lane - 3 < seg ? t : t - 3));
+      CHECK(o[2] == (lane + 3 >= seg + width ? t : t + 3));
+      CHECK(o[3] == w + seg + 7 % width);
+      unsigned ballot = 0;
+      for (int l = 0; l < 32; l += 3) ballot |= 1u << l;
+      CHECK(static_cast<unsigned>(o[4]) == ballot);
+      CHECK(o[5] == 1);  // any(lane == 31) = 1, all(lane < 31) = 0
+      CHECK(static_cast<unsigned>(o[6]) == 0xFFu << (lane / 8 * 8));
+      CHECK(o[7] == __builtin_popcount(static_cast<unsigned>(t) * 2654435761u));
+      CHECK(dout[t] == 0.5 * (w + ((lane ^ 1) / width > lane / width ? lane : lane ^ 1)));
+    }
+  }
+}
+
+__global__ void barriers_and_atomics(int* out, double* dout) {
+  __shared__ unsigned int counter;
+  __shared__ double mass;
+  RHEO_DYNAMIC_SHARED(int, dyn);
+  const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int n = blockDim.x * blockDim.y * blockDim.z;
+  if (t == 0) counter = 0, mass = 0.0;
+  dyn[t] = t;
+  __syncthreads();
+  atomicAdd(&counter, 1u);
+  atomicAdd(&mass, 0.25);
+  const int sum_or = __syncthreads_or(t == n - 1);
+  const int sum_and = __syncthreads_and(t < n);
+  const int count = __syncthreads_count(t % 2 == 0);
+  const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (t == 0) {
+    out[b * 5 + 0] = static_cast<int>(counter);
+    out[b * 5 + 1] = sum_or + 2 * sum_and;
+    out[b * 5 + 2] = count;
+    out[b * 5 + 3] = dyn[n - 1 - t];
+    out[b * 5 + 4] = b;
+    dout[b] = mass;
+  }
+}
+
+void test_barriers_and_atomics() {
+  const dim3 grid(3, 2, 2), block(8, 4, 3);  // 96 threads: three warps, 12 blocks
+  std::vector<int> out(12 * 5, -1);
+  std::vector<double> dout(12);
+  barriers_and_atomics RHEO_LAUNCH(grid, block, 96 * sizeof(int), nullptr)(out.data(),
+                                                                           dout.data());
+  CHECK(cudaGetLastError() == cudaSuccess);
+  for (int b = 0; b < 12; ++b) {
+    CHECK(out[b * 5 + 0] == 96);
+    CHECK(out[b * 5 + 1] == 3);
+    CHECK(out[b * 5 + 2] == 48);
+    CHECK(out[b * 5 + 3] == 95);
+    CHECK(out[b * 5 + 4] == b);  // every block ran once, with its own index
+    CHECK(dout[b] == 24.0);
+  }
+}
+
+// --- misuse that must be caught -------------------------------------------------------------
+
+__global__ void early_exit_then_barrier(int* out) {
+  if (threadIdx.x >= 40) return;
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+__global__ void two_barriers(int* out) {
+  if (threadIdx.x < 16) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1;
+}
+
+__global__ void full_mask_partial_warp(int* out) {  // launched with 48 threads: warp 1 has 16
+  out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x), 1);
+}
+
+__global__ void divergent_full_mask(int* out) {  // half the warp leaves, the rest shuffles
+  if (threadIdx.x % 32 >= 16) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x), 1);
+}
+
+__global__ void shuffle_vs_barrier(int* out) {  // lanes wait for a lane that waits at a barrier
+  int v = static_cast<int>(threadIdx.x);
+  if (threadIdx.x == 3) {
+    __syncthreads();
+  } else {
+    v = __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+    __syncthreads();
+  }
+  out[threadIdx.x] = v;
+}
+
+__global__ void reads_outside_mask(int* out) {
+  if (threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_xor_sync(0x0000FFFFu, static_cast<int>(threadIdx.x), 16);
+}
+
+__global__ void missing_barrier(int* out) {  // thread 0 publishes, the others read: no barrier
+  __shared__ int value;
+  if (threadIdx.x == 0) value = 42;
+  out[threadIdx.x] = value;
+}
+
+__global__ void uninitialised_shared(int* out) {  // every thread reads before anyone writes
+  __shared__ int slots[64];
+  out[threadIdx.x] = slots[threadIdx.x];
+  __syncthreads();
+  slots[threadIdx.x] = 7;
+}
+
+__global__ void trivial(int* out) { out[threadIdx.x + blockDim.x * blockIdx.x] = 1; }
+
+void test_misuse() {
+  std::vector<int> out(2048, 0);
+  early_exit_then_barrier RHEO_LAUNCH(1, 64, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(message_has("reached by 40 of 64 threads (24 exited before it)"));
+
+  two_barriers RHEO_LAUNCH(1, 64, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(message_has("two different barriers"));
+
+  full_mask_partial_warp RHEO_LAUNCH(1, 48, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(message_has("names lanes that do not exist"));
+
+  divergent_full_mask RHEO_LAUNCH(1, 32, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(message_has("which has exited"));
+
+  shuffle_vs_barrier RHEO_LAUNCH(1, 32, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(message_has("deadlock"));
+
+  reads_outside_mask RHEO_LAUNCH(1, 32, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(message_has("not in the mask"));
+
+  trivial RHEO_LAUNCH(1, 2048, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+  trivial RHEO_LAUNCH(dim3(1, 70000), 32, 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+  trivial RHEO_LAUNCH(1, dim3(8, 8, 65), 0, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+  trivial RHEO_LAUNCH(1, 32, 64 * 1024, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+  CHECK(message_has("48 KB without cudaFuncSetAttribute"));
+  CHECK(cudaFuncSetAttribute(trivial, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024) ==
+        cudaSuccess);
+  trivial RHEO_LAUNCH(2, 1024, 64 * 1024, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(out[2047] == 1);
+}
+
+// A missing barrier or a read of unwritten shared memory shows up as a difference between
+// schedules: run under several seeds and compare.
+template <typename Kernel>
+bool schedules_differ(Kernel kernel, int threads) {
+  std::vector<int> first(threads), again(threads);
+  const uint64_t saved = rheo_emu::schedule_seed();
+  bool differ = false;
+  for (uint64_t seed = 1; seed <= 4 && !differ; ++seed) {
+    rheo_emu::set_schedule_seed(seed);
+    kernel RHEO_LAUNCH(1, threads, 0, nullptr)(seed == 1 ? first.data() : again.data());
+    if (cudaGetLastError() != cudaSuccess) return true;
+    differ = seed > 1 && again != first;
+  }
+  rheo_emu::set_schedule_seed(saved);
+  return differ;
+}
+
+void test_races_show() {
+  CHECK(schedules_differ(missing_barrier, 64));
+  CHECK(schedules_differ(uninitialised_shared, 64));
+  CHECK(!schedules_differ(trivial, 64));  // and a correct kernel does not differ
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const uint64_t seed = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1;
+  rheo_emu::set_schedule_seed(seed);
+  test_shuffles();
+  test_barriers_and_atomics();
+  test_misuse();
+  test_races_show();
+  const auto c = rheo_emu::counters();
+  std::printf("selftest seed %llu: %s (%llu launches, %llu blocks, %llu switches)\n",
+              static_cast<unsigned long long>(seed), failures ? "FAILED" : "ok",
+              static_cast<unsigned long long>(c.launches),
+              static_cast<unsigned long long>(c.blocks),
+              static_cast<unsigned long long>(c.switches));
+  return failures ? 1 : 0;
+}
