@@ -219,11 +219,20 @@ RHEO_ALWAYS_INLINE double exp_row(const typename Row::Elem* x, int64_t V, float 
   }
   int64_t n = 0;
   for (int k = 0; k < kLanes; ++k) n += count[k];
-  for (; v < V; ++v) {
-    const float f = Row::load1(x, v);
-    w[v] = cpu::order_key(f) >= kth_key ? std::exp(static_cast<double>((f - mx) * inv_T)) : 0.0;
-    sum += w[v];
-    n += w[v] > 0.0;
+  if (v < V) {  // the V % 16 tail: the body's arithmetic on one zero-padded block, so that equal
+                // logits get bitwise equal w wherever they sit (top-p breaks ties by id on w)
+    const int rest = static_cast<int>(V - v);
+    typename Row::Elem padded[kLanes] = {};
+    std::memcpy(padded, x + v, rest * sizeof *x);
+    const Float16 f = Row::load16(padded);
+    const Float16 in = cpu::order_key16(f) >= kth_key ? (f - mx) * inv_T : Float16{} - 100.0f;
+    const Int16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const Float16 e = cpu::exp16(lane < rest ? in : Float16{} - 100.0f);  // padding: e = 0
+    for (int k = 0; k < rest; ++k) {
+      w[v + k] = static_cast<double>(e[k]);
+      sum += w[v + k];
+      n += w[v + k] > 0.0;
+    }
   }
   *nnz = n;
   return sum;
