@@ -57,7 +57,7 @@ void check_tree(const VerificationArgs& a, int64_t b, std::vector<int32_t>& dept
 
 }  // namespace
 
-void verification_check_args(const VerificationArgs& a) {
+void verification_check_scalars(const VerificationArgs& a) {
   RHEO_CHECK(a.B >= 1 && a.N >= 1 && a.V >= 1, "logits must be [B, N, V] with B, N, V >= 1, got "
              "[", a.B, ", ", a.N, ", ", a.V, "]");
   RHEO_CHECK(std::isfinite(a.T) && a.T >= 0.0, "T=", a.T, " must be a finite temperature >= 0 "
@@ -73,6 +73,10 @@ void verification_check_args(const VerificationArgs& a) {
              a.path_capacity, " must be >= 1 (the root)");
   RHEO_CHECK(a.N <= (int64_t{1} << 31) / a.B, "B * N = ", a.B * a.N, " must fit the 32-bit coin "
              "index; verify fewer trees per call");
+}
+
+void verification_check_args(const VerificationArgs& a) {
+  verification_check_scalars(a);
   std::vector<int32_t> depth(a.N), sampled_children(a.N);
   for (int64_t b = 0; b < a.B; ++b) check_tree(a, b, depth, sampled_children);
 }

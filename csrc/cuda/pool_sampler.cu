@@ -14,8 +14,9 @@
 //      inverse CDF for Y with the same Philox coin, slots, proxies), so CPU and CUDA pick the same
 //      Y except when a coin falls within rounding of a CDF boundary;
 //   5. all threads write q~.
-// An invalid forced token cannot raise here: its row gets sampled_slot = -1 and the binding
-// reports it. Non-finite logits are not detected on this path (the CPU kernel rejects them).
+// Bad input cannot raise here (no host sync): a forced token that cannot be Y leaves its row
+// without a sampled child, a row with a NaN / inf logit gets safe outputs; both set a status bit
+// (common.h StatusBit) that the host reads once per step.
 
 #include <cfloat>
 #include <cstdint>
@@ -37,13 +38,15 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
   return __bfloat162float(p[i]);
 }
 
-// Order-preserving unsigned keys: a > b as reals <=> key(a) > key(b).
+// Order-preserving unsigned keys: a > b as reals <=> key(a) > key(b), and a == b as reals <=>
+// key(a) == key(b): -0.0 maps to +0.0's key, so the two tie and the lower id goes first, as on
+// the CPU (issue 10 defect 1: -0.0 used to rank below +0.0).
 __device__ __forceinline__ uint32_t key_of(float x) {
-  const uint32_t b = __float_as_uint(x);
+  const uint32_t b = __float_as_uint(x == 0.0f ? 0.0f : x);
   return b ^ ((b >> 31) ? 0xFFFFFFFFu : 0x80000000u);
 }
 __device__ __forceinline__ uint64_t key_of(double x) {
-  const uint64_t b = static_cast<uint64_t>(__double_as_longlong(x));
+  const uint64_t b = static_cast<uint64_t>(__double_as_longlong(x == 0.0 ? 0.0 : x));
   return b ^ ((b >> 63) ? ~0ull : 0x8000000000000000ull);
 }
 
@@ -59,21 +62,28 @@ __device__ T block_sum(T v, T* shared) {
 }
 
 // Step 1: the key of the Se-th highest logit and how many entries equal to it the support takes.
+// Returns false (block-uniform) when the row holds a NaN or an infinity: the first pass reads
+// every logit anyway, so the check costs one barrier.
 template <typename Src, typename Key>
-__device__ void radix_select(const Src* row, int64_t V, int64_t Se, Key* thr, int64_t* n_ties) {
+__device__ bool radix_select(const Src* row, int64_t V, int64_t Se, Key* thr, int64_t* n_ties) {
   __shared__ unsigned int hist[256];
   __shared__ Key prefix_s;
   __shared__ int64_t remaining_s;
   if (threadIdx.x == 0) { prefix_s = 0; remaining_s = Se; }
+  bool finite = true;
   for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
     hist[threadIdx.x] = 0;
     __syncthreads();
     const Key prefix = prefix_s;
     const Key high_mask = shift + 8 >= int(sizeof(Key)) * 8 ? Key(0) : ~Key(0) << (shift + 8);
+    const bool first = shift + 8 == int(sizeof(Key)) * 8;
     for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-      const Key k = key_of(load(row, i));
+      const auto x = load(row, i);
+      if (first) finite &= isfinite(x);
+      const Key k = key_of(x);
       if ((k & high_mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFF], 1u);
     }
+    if (first && __syncthreads_or(!finite)) return false;  // also the barrier after the pass
     __syncthreads();
     if (threadIdx.x == 0) {
       int64_t above = 0;
@@ -91,15 +101,17 @@ __device__ void radix_select(const Src* row, int64_t V, int64_t Se, Key* thr, in
   *thr = prefix_s;
   *n_ties = remaining_s;
   __syncthreads();
+  return true;
 }
 
 // Step 2: gather the support into ids / vals (the row's outputs as scratch), in support order.
+// False (block-uniform) on a non-finite logit, with nothing gathered.
 template <typename Src, typename Key, typename Acc>
-__device__ void gather_support(const Src* row, int64_t V, int64_t Se, int32_t* ids, Acc* vals) {
+__device__ bool gather_support(const Src* row, int64_t V, int64_t Se, int32_t* ids, Acc* vals) {
   __shared__ unsigned int above_count, tie_count, warp_ties[kThreads / 32];
   Key thr;
   int64_t n_ties;
-  radix_select<Src, Key>(row, V, Se, &thr, &n_ties);
+  if (!radix_select<Src, Key>(row, V, Se, &thr, &n_ties)) return false;
   const int64_t n_above = Se - n_ties;
   if (threadIdx.x == 0) { above_count = 0; tie_count = 0; }
   __syncthreads();
@@ -147,6 +159,7 @@ __device__ void gather_support(const Src* row, int64_t V, int64_t Se, int32_t* i
     vals[my_rank[t]] = my_val[t];
   }
   __syncthreads();
+  return true;
 }
 
 // Step 3: sum of exp(l - M) over l < lmin, plus the ties at lmin left outside the support.
@@ -231,7 +244,30 @@ __device__ RowPlan plan_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, con
     ++j;
   }
   a.sampled_slot[r] = plan.y >= 0 ? m : -1;
+  // A forced token that could not be Y (not in the support past the leads, q~ = 0, no sampled
+  // slot in this row): the CPU raises; here the row keeps no sampled child and the host learns
+  // it from the status word.
+  if (forced_token != -1 && plan.y < 0) cuda::report_status(a.status, kStatusBadForced);
   return plan;
+}
+
+// A row with a NaN / inf logit: the CPU raises; here the row gets outputs that keep the step's
+// later kernels in range (distinct ids 0.., log proxies -inf, no sampled child, q~ = 0) and the
+// status bit tells the host (issue 10 defect 2: NaN used to give repeated ids, inf NaN proxies).
+template <typename Acc>
+__device__ void poison_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, int32_t* ids,
+                           Acc* q_tilde) {
+  for (int64_t j = threadIdx.x; j < Se; j += kThreads) ids[j] = static_cast<int32_t>(j), q_tilde[j] = Acc(0);
+  Acc* log_proxy = static_cast<Acc*>(a.log_proxy) + r * a.K;
+  for (int32_t k = threadIdx.x; k < a.K; k += kThreads) {
+    a.tokens[r * a.K + k] = k;
+    log_proxy[k] = Acc(-INFINITY);
+  }
+  if (threadIdx.x == 0) {
+    a.sampled_slot[r] = -1;
+    static_cast<Acc*>(a.q_sampled)[r] = Acc(0);
+    cuda::report_status(a.status, kStatusNonFiniteDraft);
+  }
 }
 
 template <typename Src, typename Acc, typename Key>
@@ -243,7 +279,10 @@ __global__ void __launch_bounds__(kThreads) pool_sampler_kernel(PoolSamplerArgs 
   const Src* row = static_cast<const Src*>(a.logits) + r * a.row_stride;
   int32_t* ids = a.q_tilde_ids + r * Se;
   Acc* vals = static_cast<Acc*>(a.q_tilde) + r * Se;  // support logits until step 5
-  gather_support<Src, Key, Acc>(row, a.V, Se, ids, vals);
+  if (!gather_support<Src, Key, Acc>(row, a.V, Se, ids, vals)) {
+    poison_row<Acc>(a, r, Se, ids, vals);
+    return;
+  }
   const double outside = outside_mass<Src, Acc>(row, a.V, Se, vals[0], vals[Se - 1]);
   if (threadIdx.x == 0) {
     outside_s = outside;

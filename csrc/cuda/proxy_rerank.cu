@@ -13,7 +13,8 @@
 //
 // Errors: a kernel cannot raise without a sync, so an invalid entry (NaN score, parent out of
 // range, prefix_len < 0, kept set not ancestor-closed or not topological, depth > max_depth) gets
-// n_leaves[b] = -1 and select_expand writes expand[b, :] = -1 for a row holding a NaN score.
+// n_leaves[b] = -1 and a safe star layout, and select_expand writes expand[b, :] = 0..topk-1 for
+// a row holding a NaN score; both set a status bit (common.h StatusBit) read once per step.
 
 #include <cstdint>
 
@@ -36,7 +37,7 @@ __device__ int32_t rank_of(const float* scores, int32_t n, int32_t c) {
 }
 
 // grid = B, block = kThreads; dynamic shared = M floats when `staged`.
-__global__ void select_expand_kernel(SelectExpandArgs a, bool staged) {
+__global__ void __launch_bounds__(kThreads) select_expand_kernel(SelectExpandArgs a, bool staged) {
   RHEO_DYNAMIC_SHARED(float, staged_scores);
   const int32_t M = static_cast<int32_t>(a.M);
   const float* row = a.scores + blockIdx.x * a.M;
@@ -47,7 +48,9 @@ __global__ void select_expand_kernel(SelectExpandArgs a, bool staged) {
     if (staged) staged_scores[i] = row[i];
   }
   if (__syncthreads_or(nan)) {  // also the barrier after staging
-    for (int32_t r = threadIdx.x; r < a.topk; r += blockDim.x) expand[r] = -1;
+    // In-range indices keep the step's gathers safe; the status word tells the host.
+    for (int32_t r = threadIdx.x; r < a.topk; r += blockDim.x) expand[r] = r;
+    if (threadIdx.x == 0) cuda::report_status(a.status, kStatusNanScore);
     return;
   }
   const float* scores = staged ? staged_scores : row;
@@ -59,22 +62,25 @@ __global__ void select_expand_kernel(SelectExpandArgs a, bool staged) {
 }
 
 // Steps 1-3: check the inputs, scatter the N-1 best candidates to nodes 1..N-1 in rank order,
-// link each node to its parent node. Returns true when the entry is invalid (block-uniform).
-__device__ bool prune_and_link(const BuildTreeArgs& a, const float* scores, uint8_t* is_leaf,
-                               float* staged_scores) {
+// link each node to its parent node. Returns 0, or the status bit of the entry's defect
+// (block-uniform).
+__device__ int32_t prune_and_link(const BuildTreeArgs& a, const float* scores, uint8_t* is_leaf,
+                                  float* staged_scores) {
   const int64_t b = blockIdx.x;
   const int32_t L = static_cast<int32_t>(a.L), N = a.N;
   const float* row_scores = a.cand_scores + b * a.L;
   const int32_t* cand_parents = a.cand_parents + b * a.L;
   // 1. Stage the scores; no NaN, parents earlier in flat order, a non-negative prefix.
-  bool bad = threadIdx.x == 0 && a.prefix_len[b] < 0;
+  bool bad = threadIdx.x == 0 && a.prefix_len[b] < 0, nan = false;
   for (int32_t c = threadIdx.x; c < L; c += blockDim.x) {
     const float s = row_scores[c];
     if (staged_scores != nullptr) staged_scores[c] = s;
     const int32_t p = cand_parents[c];
-    bad |= isnan(s) || p < -1 || p >= c;
+    nan |= isnan(s);
+    bad |= p < -1 || p >= c;
   }
-  if (__syncthreads_or(bad)) return true;
+  if (__syncthreads_or(nan)) return kStatusNanScore;
+  if (__syncthreads_or(bad)) return kStatusBadTree;
   // 2. Global pruning: the candidate of rank r < N-1 becomes node r + 1; node 0 is the root.
   int32_t* cand_index = a.cand_index + b * N;
   for (int32_t c = threadIdx.x; c < L; c += blockDim.x) {
@@ -102,7 +108,7 @@ __device__ bool prune_and_link(const BuildTreeArgs& a, const float* scores, uint
     a.parents[b * N + i] = ok ? parent : -1;
     if (ok) is_leaf[parent] = 0;
   }
-  return __syncthreads_or(bad);
+  return __syncthreads_or(bad) ? kStatusBadTree : 0;
 }
 
 // Steps 4-6: depth and positions by walking parent links; ancestor mask; root-to-leaf paths.
@@ -142,15 +148,46 @@ __device__ bool lay_out(const BuildTreeArgs& a, const uint8_t* is_leaf) {
   return false;
 }
 
+// An invalid entry: n_leaves = -1 (the marker) and a layout the step's later kernels can use
+// without leaving their buffers: every node a child of the root at depth 1 holding the root
+// token, no sampled rows, one root-to-node path per node.
+__device__ void safe_layout(const BuildTreeArgs& a) {
+  const int64_t b = blockIdx.x, N = a.N, W = a.max_depth + 1;
+  const int32_t prefix = a.prefix_len[b] < 0 ? 0 : a.prefix_len[b];
+  const int32_t depth1 = a.max_depth >= 1 ? 1 : 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    a.tokens[b * N + i] = a.root_tokens[b];
+    a.parents[b * N + i] = i == 0 ? -1 : 0;
+    a.depth[b * N + i] = i == 0 ? 0 : depth1;
+    a.positions[b * N + i] = prefix + (i == 0 ? 0 : depth1);
+    a.sampled_row[b * N + i] = -1;
+    a.cand_index[b * N + i] = -1;
+  }
+  for (int64_t k = threadIdx.x; k < N * N; k += blockDim.x) {
+    const int64_t row = k / N, col = k % N;
+    a.tree_mask[b * N * N + k] = col == row || col == 0;
+  }
+  for (int64_t k = threadIdx.x; k < N * W; k += blockDim.x) {
+    const int64_t leaf = k / W, d = k % W;
+    const int64_t node = N == 1 ? 0 : leaf + 1;
+    const bool on_path = leaf < (N == 1 ? 1 : N - 1) && d <= (node == 0 ? 0 : depth1);
+    a.retrieve_indices[b * N * W + k] = on_path ? static_cast<int32_t>(d == 0 ? 0 : node) : -1;
+  }
+  if (threadIdx.x == 0) a.n_leaves[b] = -1;
+}
+
 // grid = B, block = kThreads; dynamic shared = [L floats when `staged`] then N bytes (is_leaf).
-__global__ void build_tree_kernel(BuildTreeArgs a, bool staged) {
+__global__ void __launch_bounds__(kThreads) build_tree_kernel(BuildTreeArgs a, bool staged) {
   RHEO_DYNAMIC_SHARED(float, shared);
   float* staged_scores = staged ? shared : nullptr;
   uint8_t* is_leaf = reinterpret_cast<uint8_t*>(shared + (staged ? a.L : 0));
   const float* scores = staged ? shared : a.cand_scores + blockIdx.x * a.L;
-  if (prune_and_link(a, scores, is_leaf, staged_scores) || lay_out(a, is_leaf)) {
-    if (threadIdx.x == 0) a.n_leaves[blockIdx.x] = -1;
-  }
+  int32_t defect = prune_and_link(a, scores, is_leaf, staged_scores);
+  if (defect == 0 && lay_out(a, is_leaf)) defect = kStatusBadTree;
+  if (defect == 0) return;
+  __syncthreads();  // lay_out / prune_and_link outputs are overwritten below
+  safe_layout(a);
+  if (threadIdx.x == 0) cuda::report_status(a.status, defect);
 }
 
 }  // namespace

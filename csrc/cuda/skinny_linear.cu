@@ -33,7 +33,7 @@ struct alignas(sizeof(T) * kVec) Chunk {
 };
 
 template <typename T, int kVec>
-__global__ void skinny_linear_kernel(SkinnyLinearArgs a) {
+__global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t o = a.o_begin + static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (o >= a.o_end) return;  // warp-uniform: the whole warp leaves together

@@ -60,7 +60,7 @@ __device__ void attend_rows(const TreeAttentionArgs& a, const float* q, float* a
 }
 
 template <typename T>
-__global__ void tree_attention_kernel(TreeAttentionArgs a) {
+__global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionArgs a) {
   RHEO_DYNAMIC_SHARED(float, smem);
   float* q = smem;                     // [D]          the query row, float32
   float* acc = smem + a.D;             // [kWarps, D]  each warp's V accumulator

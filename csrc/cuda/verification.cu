@@ -3,11 +3,12 @@
 // inside a visited node, over the V tokens: the max, the top-k radix select, the softmax sums,
 // the top-p radix select over the mass and the inverse-CDF scan are block-wide passes; the
 // O(1) tests run on thread 0 and the sparse q~ correction runs over the support in parallel.
-// The residual weights w live in a [B, V] double workspace (stream-ordered cudaMallocAsync).
+// The residual weights w live in a [B, V] double workspace the caller passes (args.workspace).
 // Semantics mirror csrc/cpu/verification.cpp step by step with the same Philox coins; block
 // sums add in another order, so a coin within rounding of a threshold may go the other way.
-// A non-finite logit at a visited node cannot raise here: the tree gets accept_len 0 and
-// bonus_token -1 (the binding checks everything else on the host first).
+// Bad input cannot raise here (no host sync): a tree that breaks the tree / q~ rules, or holds a
+// non-finite logit at a visited node, gets the verdict "root only, token 0" and a status bit
+// (common.h StatusBit) the host reads once per step. The scalar rules are checked on the host.
 
 #include <cstdint>
 
@@ -33,6 +34,7 @@ struct Shared {
   double Z;                  // residual normaliser
   int64_t nnz;               // #{w > 0}
   int accepted;              // 1 when the current test accepted
+  int removed;               // 1 when a rejected plain test took weight out of r
   int n_children, y_pos;
 };
 
@@ -150,8 +152,16 @@ __device__ void apply_top_p(const VerificationArgs& a, double* w, Shared& sh) {
     }
     __syncthreads();
     if (threadIdx.x == 0 && sh.found) {
-      int bin = 255;
-      while (bin >= 0 && sh.above + sh.hist_mass[bin] < a.top_p) sh.above += sh.hist_mass[bin--];
+      int bin = 255, lowest = -1;
+      double above_lowest = 0.0;
+      while (bin >= 0 && sh.above + sh.hist_mass[bin] < a.top_p) {
+        if (sh.hist_mass[bin] > 0.0) lowest = bin, above_lowest = sh.above;
+        sh.above += sh.hist_mass[bin--];
+      }
+      // The sub-bins, summed in another order, can come to a few ulps less than their parent bin
+      // (or the whole mass to a few ulps less than top_p): then no bin reaches top_p, and the
+      // answer lies in the lowest non-empty one (issue 10 defect 4: top-p used to switch off).
+      if (bin < 0 && lowest >= 0) bin = lowest, sh.above = above_lowest;
       sh.found = bin >= 0;
       sh.prefix = static_cast<uint64_t>(bin < 0 ? 0 : bin) << shift;
     }
@@ -300,11 +310,12 @@ __device__ int32_t run_layer(const VerificationArgs& a, int64_t b, int64_t node,
       const double wc = w[token];
       const double coin = verify_coin(a.seed, a.step, b, a.N, node, j);
       sh.accepted = (wc > 0.0 && sh.nnz == 1) || coin < wc / sh.Z;
-      if (!sh.accepted && wc > 0.0) w[token] = 0.0, sh.Z -= wc, sh.nnz -= 1;
+      sh.removed = !sh.accepted && wc > 0.0;
+      if (sh.removed) w[token] = 0.0, sh.Z -= wc, sh.nnz -= 1;
     }
     __syncthreads();
     if (sh.accepted) return child;
-    resum_if_cancelled(a, w, sh);
+    if (sh.removed) resum_if_cancelled(a, w, sh);  // as the CPU: only when r changed (defect 5)
     __syncthreads();  // sh is rewritten by the next test
   }
   return -1;
@@ -330,22 +341,66 @@ __device__ int32_t draw_from(const VerificationArgs& a, const double* w, double 
   }
   hit = block_min_i(hit, sh);
   last = block_max_i(last, sh);
-  return static_cast<int32_t>(hit < a.V ? hit : last);
+  return static_cast<int32_t>(hit < a.V ? hit : (last < 0 ? 0 : last));  // CPU: 0 without mass
 }
 
-__global__ void verification_kernel(VerificationArgs a, double* workspace) {
+// The tree and q~ rules of verification_check_args (csrc/cpu/verification_checks.cpp), checked
+// on the device so that the host never reads the tree: true (block-uniform) when tree b breaks
+// one. Same rules, same order of reasoning; the message is the host's job (status bit).
+__device__ bool tree_is_bad(const VerificationArgs& a, int64_t b) {
+  const int32_t* parents = a.parents + b * a.N;
+  const int32_t* tokens = a.tokens + b * a.N;
+  const int32_t* sampled = a.sampled_row + b * a.N;
+  bool bad = threadIdx.x == 0 && parents[0] != -1;
+  for (int64_t j = 1 + threadIdx.x; j < a.N; j += kThreads) {
+    const int32_t par = parents[j], tok = tokens[j], row = sampled[j];
+    bad |= par < 0 || par >= j || tok < 0 || tok >= a.V || row < -1 || row >= a.R;
+  }
+  if (__syncthreads_or(bad)) return true;  // the walks below need valid parents
+  for (int64_t j = threadIdx.x; j < a.N; j += kThreads) {
+    int64_t depth = 0;
+    for (int64_t k = j; k > 0; k = parents[k]) ++depth;
+    bad |= depth + 1 > a.path_capacity;
+    const int32_t row = sampled[j];
+    if (j == 0 || row < 0) continue;
+    for (int64_t k = 1; k < j; ++k) bad |= parents[k] == parents[j] && sampled[k] >= 0;
+    double q_tok = 0.0;
+    for (int64_t s = 0; s < a.Se; ++s) {
+      const int32_t id = a.q_tilde_ids[row * a.Se + s];
+      const double q = q_tilde_at(a, row * a.Se + s);
+      bad |= id < 0 || id >= a.V || !isfinite(q) || q < 0.0;
+      if (id == tokens[j]) q_tok = q;
+    }
+    bad |= !(q_tok > 0.0);
+  }
+  return __syncthreads_or(bad);
+}
+
+// Bad input at tree b: the verdict "root only, token 0" keeps the step in range, and the status
+// bit makes the host raise the CPU kernel's error before it uses the verdict.
+__device__ void reject_tree(const VerificationArgs& a, int64_t b, int32_t* path, int32_t bit) {
+  for (int64_t i = threadIdx.x; i < a.path_capacity; i += kThreads) path[i] = i == 0 ? 0 : -1;
+  if (threadIdx.x == 0) {
+    a.accept_len[b] = 1;
+    a.bonus_token[b] = 0;
+    cuda::report_status(a.status, bit);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) verification_kernel(VerificationArgs a) {
   RHEO_DYNAMIC_SHARED(int32_t, order);  // [N] children in verification order
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
-  double* w = workspace + b * a.V;
+  double* w = a.workspace + b * a.V;
   int32_t* path = a.accept_path + b * a.path_capacity;
+  if (tree_is_bad(a, b)) return reject_tree(a, b, path, kStatusBadVerifyInput);
   for (int64_t i = threadIdx.x; i < a.path_capacity; i += kThreads) path[i] = i == 0 ? 0 : -1;
   __syncthreads();
   int32_t len = 1, node = 0;
   while (true) {
     if (!process_target(a, b, node, w, sh)) {
-      if (threadIdx.x == 0) a.accept_len[b] = 0, a.bonus_token[b] = -1;
-      return;
+      __syncthreads();  // every thread has written its part of the path before it is reset
+      return reject_tree(a, b, path, kStatusNonFiniteTarget);
     }
     const int32_t child = run_layer(a, b, node, w, order, sh);
     if (child < 0) {
@@ -364,17 +419,16 @@ __global__ void verification_kernel(VerificationArgs a, double* workspace) {
 }  // namespace
 
 cudaError_t verification_cuda(const VerificationArgs& args, cudaStream_t stream) {
+  verification_check_scalars(args);  // host values: no sync; the tree is checked on the device
   const size_t order_bytes = static_cast<size_t>(args.N) * sizeof(int32_t);
   if (order_bytes > 32 * 1024) return cudaErrorInvalidValue;  // N > 8192 nodes
-  double* workspace = nullptr;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&workspace),
-                                    static_cast<size_t>(args.B * args.V) * sizeof(double), stream);
-  if (err != cudaSuccess) return err;
-  verification_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads, order_bytes, stream)(args,
-                                                                                       workspace);
-  err = cudaGetLastError();
-  const cudaError_t free_err = cudaFreeAsync(workspace, stream);
-  return err != cudaSuccess ? err : free_err;
+  // The [B, V] residual workspace comes from the caller (the binding: torch's caching
+  // allocator), not from a cudaMallocAsync per call (issue 10 defect 6).
+  if (args.workspace == nullptr || args.accept_path == nullptr || args.accept_len == nullptr ||
+      args.bonus_token == nullptr)
+    return cudaErrorInvalidValue;
+  verification_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads, order_bytes, stream)(args);
+  return cudaGetLastError();
 }
 
 }  // namespace rheo

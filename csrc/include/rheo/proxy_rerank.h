@@ -24,8 +24,9 @@
 //    kept child ranks before its parent (neither happens when every proxy is <= 1, i.e. log
 //    proxy <= 0; anything else is a caller bug), on a NaN score, on cand_parents[c] outside
 //    [-1, c), on prefix_len < 0 and on a node deeper than max_depth. The CUDA kernels cannot
-//    raise without a sync: such an entry gets n_leaves[b] = -1 (other outputs unspecified), and
-//    select_expand_cuda writes expand[b, :] = -1 for a row holding a NaN (the CPU one raises).
+//    raise without a sync: such an entry gets n_leaves[b] = -1 and a safe layout (every node a
+//    child of the root, in-range indices), select_expand_cuda writes expand[b, :] = 0..topk-1 for
+//    a row holding a NaN (the CPU one raises), and both OR a bit into *status (common.h).
 //    Outputs:
 //      tokens           [B, N]          int32   node token (root_tokens at node 0)
 //      parents          [B, N]          int32   parent node index, -1 for the root

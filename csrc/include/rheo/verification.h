@@ -42,7 +42,10 @@
 //   bonus_token [B]    int32  the emitted token after the accepted path
 // So a step emits tokens[path[1..accept_len-1]] followed by bonus_token.
 // verification_cuda cannot raise without a sync: a tree whose visited node holds a NaN/inf logit
-// gets accept_len 0 and bonus_token -1 (the CPU version raises); callers check on the host.
+// (kStatusNonFiniteTarget), or whose tree / q~ table breaks the rules below
+// (kStatusBadVerifyInput), gets accept_len 1, accept_path [0, -1, ...] and bonus_token 0, and the
+// bit is ORed into *status (common.h StatusBit), which the host reads once per step. The scalar
+// rules (B, N, V, T, top_p, top_k, method, path_capacity) are checked on the host before launch.
 //
 // verification_law_cpu computes the exact law of the walk instead of drawing coins (tests and
 // analysis): accept_prob[b, i] = P(walk moves into node i | its parent is visited) (root: 1),
@@ -94,6 +97,9 @@ struct VerificationArgs {
   void* emit_prob = nullptr;    // [B, N, V] acc_t
 };
 
+// The scalar rules (host values only: no sync on CUDA), then verification_check_args adds the
+// tree and q~ rules, which read the (device) buffers; verification_cuda checks those on the GPU.
+void verification_check_scalars(const VerificationArgs& args);
 void verification_check_args(const VerificationArgs& args);
 void verification_cpu(const VerificationArgs& args);
 void verification_law_cpu(const VerificationArgs& args);

@@ -1,0 +1,980 @@
+// Every CUDA kernel (csrc/cuda/*.cu, run on the CPU emulator csrc/emu) against its CPU twin
+// (csrc/cpu) on the same inputs and Philox coins, and against itself under a second schedule.
+//
+//   kernel_tests [--quick] [--only NAME] [--seeds A,B]
+//
+// For each case: the CPU kernel gives the expected outputs; the CUDA kernel runs under schedule
+// seed A and again under seed B (other thread interleavings, block order, shared-memory poison)
+// and the two runs must agree bit for bit; the CUDA outputs must equal the CPU's exactly for
+// integers (ids, tokens, slots, paths) and within a stated tolerance for floats (the CUDA sums
+// add in another order). Bad input: the CPU raises, the CUDA kernel sets its status bit (common.h
+// StatusBit) and writes in-range outputs. Sizes follow the issue: V = 111, 32000, 128256; N = 1
+// and 60; S > V; B up to 8; fp32/bf16/fp16 (fp64 where the kernel takes it); tie-heavy logits
+// (integer valued, with +0.0 and -0.0), T = 0, top-p, top-k, forced samples.
+// --quick keeps the small cases (for the AddressSanitizer + UBSan build).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "rheo/pool_sampler.h"
+#include "rheo/proxy_rerank.h"
+#include "rheo/skinny_linear.h"
+#include "rheo/tree_attention.h"
+#include "rheo/verification.h"
+
+namespace {
+
+using rheo::DType;
+
+bool quick = false;
+uint64_t seed_a = 1, seed_b = 2;
+int failures = 0, cases = 0;
+std::string current_case;
+
+void fail(const std::string& what) {
+  if (failures < 40) std::printf("FAIL [%s] %s\n", current_case.c_str(), what.c_str());
+  ++failures;
+}
+
+// --- inputs ----------------------------------------------------------------------------------
+
+struct Rng {
+  std::mt19937_64 g;
+  explicit Rng(uint64_t s) : g(s) {}
+  double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(g); }
+  int64_t below(int64_t n) { return static_cast<int64_t>(g() % static_cast<uint64_t>(n)); }
+  float normal(float sd) { return std::normal_distribution<float>(0.0f, sd)(g); }
+};
+
+enum class Logits { kNormal, kTies, kPeaked };
+
+// Logit values (float) of a kind: kTies = integers in [-3, 3] with zeros of both signs.
+std::vector<float> make_logits(Rng& rng, int64_t count, Logits kind) {
+  std::vector<float> x(count);
+  for (auto& v : x) {
+    switch (kind) {
+      case Logits::kNormal: v = rng.normal(3.0f); break;
+      case Logits::kTies: {
+        const int64_t k = rng.below(8) - 4;  // -4 .. 3; -4 stands for -0.0
+        v = k == -4 ? -0.0f : static_cast<float>(k);
+        break;
+      }
+      case Logits::kPeaked: v = rng.uniform() < 0.01 ? 12.0f + rng.normal(1.0f) : rng.normal(1.0f);
+    }
+  }
+  return x;
+}
+
+size_t elem_size(DType d) { return d == DType::kFloat64 ? 8 : d == DType::kFloat32 ? 4 : 2; }
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "fp32";
+    case DType::kFloat16: return "fp16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat64: return "fp64";
+  }
+  return "?";
+}
+
+// A buffer of `dtype` elements holding `x` (rounded to nearest even for 16-bit types).
+std::vector<unsigned char> encode(const std::vector<float>& x, DType dtype) {
+  std::vector<unsigned char> out(x.size() * elem_size(dtype));
+  for (size_t i = 0; i < x.size(); ++i) {
+    unsigned char* p = out.data() + i * elem_size(dtype);
+    switch (dtype) {
+      case DType::kFloat32: std::memcpy(p, &x[i], 4); break;
+      case DType::kFloat64: { const double d = x[i]; std::memcpy(p, &d, 8); break; }
+      case DType::kFloat16: { const __half h = __float2half_rn(x[i]); std::memcpy(p, &h, 2); break; }
+      case DType::kBFloat16: { const __nv_bfloat16 h = __float2bfloat16_rn(x[i]); std::memcpy(p, &h, 2); break; }
+    }
+  }
+  return out;
+}
+
+double decode(const unsigned char* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: { float f; std::memcpy(&f, p, 4); return f; }
+    case DType::kFloat64: { double d; std::memcpy(&d, p, 8); return d; }
+    case DType::kFloat16: { __half h; std::memcpy(&h, p, 2); return __half2float(h); }
+    case DType::kBFloat16: { __nv_bfloat16 h; std::memcpy(&h, p, 2); return __bfloat162float(h); }
+  }
+  return 0.0;
+}
+
+// --- comparisons -----------------------------------------------------------------------------
+
+template <typename T>
+void expect_equal(const std::vector<T>& cuda, const std::vector<T>& cpu, const char* what) {
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (cuda[i] != cpu[i]) {
+      fail(std::string(what) + "[" + std::to_string(i) + "]: cuda " + std::to_string(cuda[i]) +
+           " cpu " + std::to_string(cpu[i]));
+      return;
+    }
+  }
+}
+
+// Floats: equal infinities, or |cuda - cpu| <= tol * max(1, |cpu|).
+void expect_close(const std::vector<unsigned char>& cuda, const std::vector<unsigned char>& cpu,
+                  DType dtype, double tol, const char* what) {
+  const size_t es = elem_size(dtype);
+  for (size_t i = 0; i * es < cpu.size(); ++i) {
+    const double a = decode(cuda.data() + i * es, dtype), b = decode(cpu.data() + i * es, dtype);
+    if (a == b || (std::isnan(a) && std::isnan(b))) continue;
+    if (std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b))) continue;
+    char msg[200];
+    std::snprintf(msg, sizeof msg, "%s[%zu]: cuda %.17g cpu %.17g (tol %.1e)", what, i, a, b, tol);
+    fail(msg);
+    return;
+  }
+}
+
+// Runs the CUDA kernel under both schedules; `run` fills its outputs from a fresh state.
+// Returns the first run's outputs (the caller compares them with the CPU's).
+template <typename Outputs>
+Outputs run_twice(const std::function<cudaError_t(Outputs&)>& run, Outputs fresh) {
+  Outputs first = fresh, second = fresh;
+  rheo_emu::set_schedule_seed(seed_a);
+  cudaError_t err = run(first);
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(err) + ": " +
+                               rheo_emu::last_error_message());
+  rheo_emu::set_schedule_seed(seed_b);
+  err = run(second);
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err != cudaSuccess) fail(std::string("second schedule failed: ") + rheo_emu::last_error_message());
+  if (!(first == second)) fail("the two schedules disagree (a race or an uninitialised read)");
+  return first;
+}
+
+bool cpu_raises(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const rheo::ValueError&) {
+    return true;
+  }
+  return false;
+}
+
+// --- pool sampler ------------------------------------------------------------------------------
+
+struct PoolCase {
+  int64_t n, V;
+  int32_t K, m, S;
+  double T;
+  rheo::PoolKind kind;
+  DType dtype;
+  Logits logits;
+  bool forced;
+};
+
+struct PoolOut {
+  std::vector<int32_t> tokens, slot, ids;
+  std::vector<unsigned char> log_proxy, q, q_y;
+  std::vector<int32_t> status;
+  bool operator==(const PoolOut& o) const {
+    return tokens == o.tokens && slot == o.slot && ids == o.ids && log_proxy == o.log_proxy &&
+           q == o.q && q_y == o.q_y && status == o.status;
+  }
+};
+
+PoolOut pool_outputs(const PoolCase& c) {
+  const int64_t Se = std::min<int64_t>(c.S, c.V);
+  const DType acc = c.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  PoolOut o;
+  o.tokens.assign(c.n * c.K, -7);
+  o.slot.assign(c.n, -7);
+  o.ids.assign(c.n * Se, -7);
+  o.log_proxy.assign(c.n * c.K * elem_size(acc), 0xAB);
+  o.q.assign(c.n * Se * elem_size(acc), 0xAB);
+  o.q_y.assign(c.n * elem_size(acc), 0xAB);
+  o.status.assign(1, 0);
+  return o;
+}
+
+rheo::PoolSamplerArgs pool_args(const PoolCase& c, const void* logits, const int32_t* forced,
+                                PoolOut& o, uint64_t seed) {
+  rheo::PoolSamplerArgs a;
+  a.logits = logits;
+  a.dtype = c.dtype;
+  a.n = c.n;
+  a.V = c.V;
+  a.row_stride = c.V;
+  a.K = c.K;
+  a.m = c.m;
+  a.S = c.S;
+  a.T = c.T;
+  a.kind = c.kind;
+  a.seed = seed;
+  a.step = 3;
+  a.level = 2;
+  a.forced_sample = forced;
+  a.tokens = o.tokens.data();
+  a.log_proxy = o.log_proxy.data();
+  a.sampled_slot = o.slot.data();
+  a.q_tilde_ids = o.ids.data();
+  a.q_tilde = o.q.data();
+  a.q_sampled = o.q_y.data();
+  a.status = o.status.data();
+  return a;
+}
+
+void pool_case(const PoolCase& c, uint64_t seed) {
+  ++cases;
+  current_case = "pool_sampler n=" + std::to_string(c.n) + " V=" + std::to_string(c.V) +
+                 " K=" + std::to_string(c.K) + " m=" + std::to_string(c.m) + " S=" +
+                 std::to_string(c.S) + " T=" + std::to_string(c.T) + " " +
+                 (c.kind == rheo::PoolKind::kRheo ? "rheo" : "topk") + " " + dtype_name(c.dtype) +
+                 (c.logits == Logits::kTies ? " ties" : "") + (c.forced ? " forced" : "");
+  Rng rng(seed);
+  const auto logits = encode(make_logits(rng, c.n * c.V, c.logits), c.dtype);
+  std::vector<int32_t> forced;
+  PoolOut cpu = pool_outputs(c);
+  if (c.forced) {  // pin Y to a random support entry past the leads with q~ > 0 (or leave -1)
+    PoolOut free = pool_outputs(c);
+    rheo::pool_sampler_cpu(pool_args(c, logits.data(), nullptr, free, seed));
+    const int64_t Se = std::min<int64_t>(c.S, c.V);
+    const DType acc = c.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+    forced.assign(c.n, -1);
+    for (int64_t r = 0; r < c.n; ++r) {
+      if (free.slot[r] < 0) continue;
+      for (int tries = 0; tries < 20; ++tries) {
+        const int64_t s = c.m + rng.below(Se - c.m);
+        if (decode(free.q.data() + (r * Se + s) * elem_size(acc), acc) > 0.0) {
+          forced[r] = free.ids[r * Se + s];
+          break;
+        }
+      }
+    }
+  }
+  const int32_t* f = c.forced ? forced.data() : nullptr;
+  rheo::pool_sampler_cpu(pool_args(c, logits.data(), f, cpu, seed));
+  const PoolOut cuda = run_twice<PoolOut>(
+      [&](PoolOut& o) { return rheo::pool_sampler_cuda(pool_args(c, logits.data(), f, o, seed), nullptr); },
+      pool_outputs(c));
+  const DType acc = c.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  const double tol = acc == DType::kFloat64 ? 1e-12 : 2e-5;
+  expect_equal(cuda.ids, cpu.ids, "q_tilde_ids");
+  expect_equal(cuda.slot, cpu.slot, "sampled_slot");
+  expect_equal(cuda.tokens, cpu.tokens, "tokens");
+  expect_close(cuda.log_proxy, cpu.log_proxy, acc, tol, "log_proxy");
+  expect_close(cuda.q, cpu.q, acc, tol, "q_tilde");
+  expect_close(cuda.q_y, cpu.q_y, acc, tol, "q_sampled");
+  expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
+}
+
+// Defect 1 of issue 10: -0.0 and +0.0 straddle the support boundary; the CPU takes the lower id.
+void pool_signed_zero() {
+  ++cases;
+  current_case = "pool_sampler -0.0 / +0.0 at the support boundary";
+  const int64_t V = 12;
+  std::vector<float> x(V, -5.0f);
+  x[3] = 4.0f, x[9] = 3.0f, x[11] = 2.0f, x[5] = -0.0f, x[7] = 0.0f;
+  const PoolCase c{1, V, 4, 1, 4, 1.0, rheo::PoolKind::kTopK, DType::kFloat32, Logits::kNormal, false};
+  const auto logits = encode(x, c.dtype);
+  PoolOut cpu = pool_outputs(c);
+  rheo::pool_sampler_cpu(pool_args(c, logits.data(), nullptr, cpu, 1));
+  const PoolOut cuda = run_twice<PoolOut>(
+      [&](PoolOut& o) { return rheo::pool_sampler_cuda(pool_args(c, logits.data(), nullptr, o, 1), nullptr); },
+      pool_outputs(c));
+  expect_equal(cpu.ids, std::vector<int32_t>{3, 9, 11, 5}, "cpu support");
+  expect_equal(cuda.ids, cpu.ids, "q_tilde_ids");
+  expect_equal(cuda.tokens, cpu.tokens, "tokens");
+}
+
+// Defect 2: NaN / inf draft logits. The CPU raises; CUDA sets kStatusNonFiniteDraft, gives the
+// row no sampled child and keeps every output in range and free of NaN.
+void pool_non_finite() {
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+    ++cases;
+    current_case = std::string("pool_sampler non-finite draft logit ") + std::to_string(bad);
+    const PoolCase c{3, 300, 6, 1, 32, 1.0, rheo::PoolKind::kRheo, DType::kFloat32, Logits::kNormal, false};
+    Rng rng(5);
+    auto x = make_logits(rng, c.n * c.V, Logits::kNormal);
+    x[1 * c.V + 17] = bad;
+    const auto logits = encode(x, c.dtype);
+    PoolOut cpu = pool_outputs(c);
+    if (!cpu_raises([&] { rheo::pool_sampler_cpu(pool_args(c, logits.data(), nullptr, cpu, 1)); }))
+      fail("the CPU kernel accepted a non-finite logit");
+    const PoolOut cuda = run_twice<PoolOut>(
+        [&](PoolOut& o) { return rheo::pool_sampler_cuda(pool_args(c, logits.data(), nullptr, o, 1), nullptr); },
+        pool_outputs(c));
+    if (!(cuda.status[0] & rheo::kStatusNonFiniteDraft)) fail("status bit kStatusNonFiniteDraft not set");
+    const int64_t Se = 32;
+    for (int64_t r = 0; r < c.n; ++r) {
+      std::set<int32_t> seen;
+      for (int64_t s = 0; s < Se; ++s) {
+        const int32_t id = cuda.ids[r * Se + s];
+        if (id < 0 || id >= c.V || !seen.insert(id).second) fail("row " + std::to_string(r) + ": support id out of range or repeated");
+      }
+      for (int32_t k = 0; k < c.K; ++k) {
+        const int32_t t = cuda.tokens[r * c.K + k];
+        if (t < 0 || t >= c.V) fail("token out of range");
+        if (std::isnan(decode(cuda.log_proxy.data() + (r * c.K + k) * 4, DType::kFloat32))) fail("NaN log_proxy");
+      }
+    }
+    if (cuda.slot[1] != -1) fail("the bad row kept a sampled child");
+  }
+}
+
+// A forced token that cannot be Y: CPU raises, CUDA sets kStatusBadForced.
+void pool_bad_forced() {
+  ++cases;
+  current_case = "pool_sampler forced token outside the support";
+  const PoolCase c{2, 200, 4, 1, 16, 1.0, rheo::PoolKind::kRheo, DType::kFloat32, Logits::kNormal, true};
+  Rng rng(9);
+  const auto logits = encode(make_logits(rng, c.n * c.V, Logits::kNormal), c.dtype);
+  PoolOut probe = pool_outputs(c);
+  rheo::pool_sampler_cpu(pool_args(c, logits.data(), nullptr, probe, 1));
+  std::vector<int32_t> forced = {-1, probe.ids[1 * 16 + 0]};  // row 1: its lead, never Y
+  PoolOut cpu = pool_outputs(c);
+  if (!cpu_raises([&] { rheo::pool_sampler_cpu(pool_args(c, logits.data(), forced.data(), cpu, 1)); }))
+    fail("the CPU kernel accepted a lead as forced Y");
+  const PoolOut cuda = run_twice<PoolOut>(
+      [&](PoolOut& o) { return rheo::pool_sampler_cuda(pool_args(c, logits.data(), forced.data(), o, 1), nullptr); },
+      pool_outputs(c));
+  if (!(cuda.status[0] & rheo::kStatusBadForced)) fail("status bit kStatusBadForced not set");
+  if (cuda.slot[1] != -1) fail("the bad row kept a sampled child");
+}
+
+void pool_sampler_tests() {
+  const std::vector<DType> dtypes = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64};
+  uint64_t seed = 100;
+  for (const int64_t V : {int64_t(111), int64_t(32000), int64_t(128256)}) {
+    if (quick && V > 111) continue;
+    for (const DType d : dtypes) {
+      if (V == 128256 && d != DType::kFloat32 && d != DType::kBFloat16) continue;
+      for (const Logits lk : {Logits::kNormal, Logits::kTies, Logits::kPeaked}) {
+        const int64_t n = V > 32000 ? 2 : (lk == Logits::kNormal ? 10 : 4);
+        pool_case({n, V, 10, 1, 128, 1.0, rheo::PoolKind::kRheo, d, lk, false}, ++seed);
+        if (V > 32000) continue;
+        pool_case({n, V, 10, 0, 128, 0.7, rheo::PoolKind::kRheo, d, lk, false}, ++seed);
+        pool_case({n, V, 8, 3, 64, 1.3, rheo::PoolKind::kRheo, d, lk, true}, ++seed);
+        pool_case({n, V, 10, 1, 128, 0.0, rheo::PoolKind::kTopK, d, lk, false}, ++seed);
+      }
+    }
+  }
+  // S > V, K = V, a single row, one lead with K = 2.
+  for (const DType d : dtypes) {
+    pool_case({3, 40, 10, 2, 128, 1.0, rheo::PoolKind::kRheo, d, Logits::kTies, false}, ++seed);
+    pool_case({1, 16, 16, 15, 300, 0.5, rheo::PoolKind::kRheo, d, Logits::kNormal, false}, ++seed);
+    pool_case({1, 111, 2, 1, 2, 1.0, rheo::PoolKind::kRheo, d, Logits::kPeaked, false}, ++seed);
+  }
+  pool_signed_zero();
+  pool_non_finite();
+  pool_bad_forced();
+}
+
+// --- select_expand and build_tree ---------------------------------------------------------------
+
+struct ExpandOut {
+  std::vector<int32_t> expand, status;
+  bool operator==(const ExpandOut& o) const { return expand == o.expand && status == o.status; }
+};
+
+// Path scores with many exact ties (quantised) and some -inf.
+std::vector<float> make_scores(Rng& rng, int64_t count, bool ties) {
+  std::vector<float> s(count);
+  for (auto& v : s) {
+    v = ties ? -static_cast<float>(rng.below(6)) * 0.5f : -std::fabs(rng.normal(4.0f));
+    if (rng.uniform() < 0.03) v = -std::numeric_limits<float>::infinity();
+  }
+  return s;
+}
+
+void select_expand_case(int64_t B, int64_t M, int32_t topk, bool ties, bool nan, uint64_t seed) {
+  ++cases;
+  current_case = "select_expand B=" + std::to_string(B) + " M=" + std::to_string(M) +
+                 " topk=" + std::to_string(topk) + (ties ? " ties" : "") + (nan ? " NaN" : "");
+  Rng rng(seed);
+  auto scores = make_scores(rng, B * M, ties);
+  if (nan) scores[(B - 1) * M + M / 2] = std::numeric_limits<float>::quiet_NaN();
+  auto args = [&](ExpandOut& o) {
+    rheo::SelectExpandArgs a;
+    a.scores = scores.data();
+    a.B = B;
+    a.M = M;
+    a.topk = topk;
+    a.expand = o.expand.data();
+    a.status = o.status.data();
+    return a;
+  };
+  const ExpandOut fresh{std::vector<int32_t>(B * topk, -7), {0}};
+  ExpandOut cpu = fresh;
+  const bool raised = cpu_raises([&] { rheo::select_expand_cpu(args(cpu)); });
+  const ExpandOut cuda = run_twice<ExpandOut>(
+      [&](ExpandOut& o) { return rheo::select_expand_cuda(args(o), nullptr); }, fresh);
+  if (nan) {
+    if (!raised) fail("the CPU kernel accepted a NaN score");
+    if (!(cuda.status[0] & rheo::kStatusNanScore)) fail("status bit kStatusNanScore not set");
+    for (const int32_t e : cuda.expand)
+      if (e < 0 || e >= M) fail("expand index out of range after a NaN: " + std::to_string(e));
+    return;
+  }
+  expect_equal(cuda.expand, cpu.expand, "expand");
+  expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
+}
+
+struct Candidates {
+  int64_t B, L;
+  std::vector<float> scores;
+  std::vector<int32_t> tokens, parents, sampled, root, prefix;
+};
+
+// Candidates as the draft loop makes them: level 1 = K children of the root; each further level
+// = K children of each of the topk best candidates of the previous level (select_expand_cpu),
+// score = parent score + a log proxy <= 0; slot 1 of each group is the sampled child.
+Candidates make_candidates(Rng& rng, int64_t B, int32_t K, int32_t topk, int32_t depth, bool ties) {
+  Candidates c;
+  c.B = B;
+  std::vector<std::vector<float>> sc(B);
+  std::vector<std::vector<int32_t>> tok(B), par(B), smp(B);
+  int32_t rows = 0;
+  std::vector<int64_t> level_begin(B, 0), level_end(B, 0);
+  auto proxy = [&] { return ties ? -static_cast<float>(rng.below(4)) * 0.5f : -std::fabs(rng.normal(1.5f)); };
+  for (int64_t b = 0; b < B; ++b) {
+    for (int32_t k = 0; k < K; ++k) {
+      sc[b].push_back(proxy());
+      tok[b].push_back(static_cast<int32_t>(rng.below(1000)));
+      par[b].push_back(-1);
+      smp[b].push_back(k == 1 ? rows : -1);
+    }
+    ++rows;
+    level_end[b] = K;
+  }
+  for (int32_t d = 1; d < depth; ++d) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t M = level_end[b] - level_begin[b];
+      std::vector<int32_t> chosen(topk);
+      rheo::SelectExpandArgs a;
+      a.scores = sc[b].data() + level_begin[b];
+      a.B = 1;
+      a.M = M;
+      a.topk = topk;
+      a.expand = chosen.data();
+      rheo::select_expand_cpu(a);
+      level_begin[b] = level_end[b];
+      for (int32_t p = 0; p < topk; ++p) {
+        const int32_t parent = static_cast<int32_t>(level_begin[b] - M + chosen[p]);
+        for (int32_t k = 0; k < K; ++k) {
+          sc[b].push_back(sc[b][parent] + proxy());
+          tok[b].push_back(static_cast<int32_t>(rng.below(1000)));
+          par[b].push_back(parent);
+          smp[b].push_back(k == 1 ? rows : -1);
+        }
+        ++rows;
+      }
+      level_end[b] = static_cast<int64_t>(sc[b].size());
+    }
+  }
+  c.L = static_cast<int64_t>(sc[0].size());
+  for (int64_t b = 0; b < B; ++b) {
+    c.scores.insert(c.scores.end(), sc[b].begin(), sc[b].end());
+    c.tokens.insert(c.tokens.end(), tok[b].begin(), tok[b].end());
+    c.parents.insert(c.parents.end(), par[b].begin(), par[b].end());
+    c.sampled.insert(c.sampled.end(), smp[b].begin(), smp[b].end());
+    c.root.push_back(static_cast<int32_t>(rng.below(1000)));
+    c.prefix.push_back(static_cast<int32_t>(rng.below(500)));
+  }
+  return c;
+}
+
+struct TreeOut {
+  std::vector<int32_t> tokens, parents, depth, positions, sampled, cand_index, retrieve, n_leaves;
+  std::vector<uint8_t> mask;
+  std::vector<int32_t> status;
+  bool operator==(const TreeOut& o) const {
+    return tokens == o.tokens && parents == o.parents && depth == o.depth &&
+           positions == o.positions && sampled == o.sampled && cand_index == o.cand_index &&
+           retrieve == o.retrieve && n_leaves == o.n_leaves && mask == o.mask && status == o.status;
+  }
+};
+
+TreeOut tree_outputs(int64_t B, int32_t N, int32_t depth) {
+  TreeOut o;
+  for (auto* v : {&o.tokens, &o.parents, &o.depth, &o.positions, &o.sampled, &o.cand_index})
+    v->assign(B * N, -7);
+  o.retrieve.assign(B * N * (depth + 1), -7);
+  o.n_leaves.assign(B, -7);
+  o.mask.assign(B * N * N, 7);
+  o.status.assign(1, 0);
+  return o;
+}
+
+rheo::BuildTreeArgs tree_args(const Candidates& c, int32_t N, int32_t depth, TreeOut& o) {
+  rheo::BuildTreeArgs a;
+  a.cand_scores = c.scores.data();
+  a.cand_tokens = c.tokens.data();
+  a.cand_parents = c.parents.data();
+  a.cand_sampled = c.sampled.data();
+  a.root_tokens = c.root.data();
+  a.prefix_len = c.prefix.data();
+  a.B = c.B;
+  a.L = c.L;
+  a.N = N;
+  a.max_depth = depth;
+  a.tokens = o.tokens.data();
+  a.parents = o.parents.data();
+  a.depth = o.depth.data();
+  a.positions = o.positions.data();
+  a.sampled_row = o.sampled.data();
+  a.cand_index = o.cand_index.data();
+  a.tree_mask = o.mask.data();
+  a.retrieve_indices = o.retrieve.data();
+  a.n_leaves = o.n_leaves.data();
+  a.status = o.status.data();
+  return a;
+}
+
+enum class TreeDefect { kNone, kNan, kParentOut, kNotClosed };
+
+void build_tree_case(int64_t B, int32_t K, int32_t topk, int32_t depth, int32_t N, bool ties,
+                     TreeDefect defect, uint64_t seed) {
+  ++cases;
+  current_case = "build_tree B=" + std::to_string(B) + " K=" + std::to_string(K) + " topk=" +
+                 std::to_string(topk) + " depth=" + std::to_string(depth) + " N=" +
+                 std::to_string(N) + (ties ? " ties" : "") + " defect=" +
+                 std::to_string(static_cast<int>(defect));
+  Rng rng(seed);
+  Candidates c = make_candidates(rng, B, K, topk, depth, ties);
+  const int64_t bad_b = B - 1;
+  switch (defect) {
+    case TreeDefect::kNone: break;
+    case TreeDefect::kNan: c.scores[bad_b * c.L + 1] = std::numeric_limits<float>::quiet_NaN(); break;
+    case TreeDefect::kParentOut: c.parents[bad_b * c.L + c.L - 1] = static_cast<int32_t>(c.L); break;
+    case TreeDefect::kNotClosed:  // a child that outranks its pruned parent
+      c.scores[bad_b * c.L + c.L - 1] = 1.0f;
+      c.scores[bad_b * c.L + c.parents[bad_b * c.L + c.L - 1]] = -1e30f;
+      break;
+  }
+  TreeOut cpu = tree_outputs(B, N, depth);
+  const bool raised = cpu_raises([&] { rheo::build_tree_cpu(tree_args(c, N, depth, cpu)); });
+  const TreeOut cuda = run_twice<TreeOut>(
+      [&](TreeOut& o) { return rheo::build_tree_cuda(tree_args(c, N, depth, o), nullptr); },
+      tree_outputs(B, N, depth));
+  if (defect != TreeDefect::kNone) {
+    if (!raised) fail("the CPU kernel accepted a bad candidate set");
+    if (cuda.n_leaves[bad_b] != -1) fail("the bad entry's n_leaves is not -1");
+    const int32_t want = defect == TreeDefect::kNan ? rheo::kStatusNanScore : rheo::kStatusBadTree;
+    if (!(cuda.status[0] & want)) fail("status bit " + std::to_string(want) + " not set");
+    // The bad entry's layout must stay usable by the step's later kernels: in-range indices.
+    for (int32_t i = 0; i < N; ++i) {
+      const int32_t p = cuda.parents[bad_b * N + i], pos = cuda.positions[bad_b * N + i];
+      if (p < -1 || p >= i || (i > 0 && p < 0)) fail("bad entry: parent out of range");
+      if (pos < c.prefix[bad_b] || pos > c.prefix[bad_b] + depth) fail("bad entry: position out of range");
+    }
+    return;
+  }
+  if (raised) fail("the CPU kernel raised on valid candidates");
+  expect_equal(cuda.tokens, cpu.tokens, "tokens");
+  expect_equal(cuda.parents, cpu.parents, "parents");
+  expect_equal(cuda.depth, cpu.depth, "depth");
+  expect_equal(cuda.positions, cpu.positions, "positions");
+  expect_equal(cuda.sampled, cpu.sampled, "sampled_row");
+  expect_equal(cuda.cand_index, cpu.cand_index, "cand_index");
+  expect_equal(cuda.retrieve, cpu.retrieve, "retrieve_indices");
+  expect_equal(cuda.n_leaves, cpu.n_leaves, "n_leaves");
+  expect_equal(cuda.mask, cpu.mask, "tree_mask");
+  expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
+}
+
+void proxy_rerank_tests() {
+  uint64_t seed = 200;
+  for (const bool ties : {false, true}) {
+    select_expand_case(1, 10, 10, ties, false, ++seed);
+    select_expand_case(8, 100, 10, ties, false, ++seed);
+    select_expand_case(3, 13000, 7, ties, false, ++seed);  // past the staged shared memory
+    select_expand_case(2, 50, 5, ties, true, ++seed);
+    build_tree_case(1, 10, 10, 8, 60, ties, TreeDefect::kNone, ++seed);
+    build_tree_case(8, 10, 10, 8, 60, ties, TreeDefect::kNone, ++seed);
+    build_tree_case(2, 4, 2, 3, 1, ties, TreeDefect::kNone, ++seed);
+    build_tree_case(3, 6, 3, 5, 17, ties, TreeDefect::kNone, ++seed);
+    if (!quick) build_tree_case(1, 10, 10, 130, 60, ties, TreeDefect::kNone, ++seed);  // L > 12K: unstaged
+  }
+  build_tree_case(2, 10, 10, 4, 30, false, TreeDefect::kNan, ++seed);
+  build_tree_case(2, 10, 10, 4, 30, false, TreeDefect::kParentOut, ++seed);
+  build_tree_case(2, 10, 10, 4, 30, false, TreeDefect::kNotClosed, ++seed);
+}
+
+// --- tree attention ------------------------------------------------------------------------------
+
+struct AttnOut {
+  std::vector<unsigned char> out;
+  bool operator==(const AttnOut& o) const { return out == o.out; }
+};
+
+void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t prefix,
+                         DType dtype, bool random_mask, uint64_t seed) {
+  ++cases;
+  current_case = "tree_attention B=" + std::to_string(B) + " N=" + std::to_string(N) + " H=" +
+                 std::to_string(H) + "/" + std::to_string(Hkv) + " D=" + std::to_string(D) +
+                 " prefix=" + std::to_string(prefix) + " " + dtype_name(dtype) +
+                 (random_mask ? " random mask" : "");
+  Rng rng(seed);
+  const int64_t Lc = prefix + N + 3;  // spare cache rows past the tree: never read
+  const int64_t q_pad = 5;            // q rows strided with padding between heads' blocks
+  const int64_t q_stride_h = D, q_stride_n = H * D + q_pad, q_stride_b = N * q_stride_n;
+  const auto q = encode(make_logits(rng, B * q_stride_b, Logits::kNormal), dtype);
+  const int64_t kv_stride_h = D, kv_stride_l = Hkv * D, kv_stride_b = Lc * kv_stride_l;
+  const auto k = encode(make_logits(rng, B * kv_stride_b, Logits::kNormal), dtype);
+  const auto v = encode(make_logits(rng, B * kv_stride_b, Logits::kNormal), dtype);
+  std::vector<uint8_t> mask(B * N * N, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> parent(N, -1);
+    for (int64_t i = 1; i < N; ++i) parent[i] = rng.below(i);
+    for (int64_t i = 0; i < N; ++i) {
+      if (random_mask) {
+        for (int64_t j = 0; j < N; ++j) mask[(b * N + i) * N + j] = rng.uniform() < 0.3;
+        continue;
+      }
+      for (int64_t j = i; j >= 0; j = parent[j]) mask[(b * N + i) * N + j] = 1;
+    }
+  }
+  auto args = [&](AttnOut& o) {
+    rheo::TreeAttentionArgs a;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.tree_mask = mask.data();
+    a.out = o.out.data();
+    a.dtype = dtype;
+    a.B = B, a.N = N, a.H = H, a.Hkv = Hkv, a.D = D;
+    a.prefix_len = prefix;
+    a.q_stride_b = q_stride_b, a.q_stride_n = q_stride_n, a.q_stride_h = q_stride_h;
+    a.kv_stride_b = kv_stride_b, a.kv_stride_l = kv_stride_l, a.kv_stride_h = kv_stride_h;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    return a;
+  };
+  const AttnOut fresh{std::vector<unsigned char>(B * N * H * D * elem_size(dtype), 0xAB)};
+  AttnOut cpu = fresh;
+  rheo::tree_attention_cpu(args(cpu));
+  const AttnOut cuda =
+      run_twice<AttnOut>([&](AttnOut& o) { return rheo::tree_attention_cuda(args(o), nullptr); }, fresh);
+  // float32 sums in another order; a 16-bit output may round to the neighbouring value.
+  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 1.6e-2 : 2e-3;
+  expect_close(cuda.out, cpu.out, dtype, tol, "out");  // values ~ N(0, 3): tol relative to that scale
+}
+
+void tree_attention_tests() {
+  uint64_t seed = 300;
+  for (const DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    tree_attention_case(1, 1, 4, 2, 64, 0, d, false, ++seed);
+    tree_attention_case(2, 7, 4, 1, 33, 5, d, false, ++seed);
+    tree_attention_case(1, 60, 4, 2, 128, quick ? 20 : 300, d, false, ++seed);
+    tree_attention_case(3, 9, 2, 2, 16, 0, d, true, ++seed);  // rows that see nothing: zeros
+  }
+}
+
+// --- skinny linear --------------------------------------------------------------------------------
+
+void skinny_linear_case(int64_t n, int64_t in, int64_t out, int64_t o_begin, int64_t o_end,
+                        DType dtype, int64_t x_pad, uint64_t seed) {
+  ++cases;
+  current_case = "skinny_linear n=" + std::to_string(n) + " in=" + std::to_string(in) + " out=" +
+                 std::to_string(out) + " [" + std::to_string(o_begin) + ", " +
+                 std::to_string(o_end) + ") " + dtype_name(dtype) + " x_pad=" + std::to_string(x_pad);
+  Rng rng(seed);
+  const int64_t x_stride = in + x_pad, y_stride = out + 3;
+  const auto x = encode(make_logits(rng, n * x_stride, Logits::kNormal), dtype);
+  const auto w = encode(make_logits(rng, out * in, Logits::kNormal), dtype);
+  auto args = [&](AttnOut& o) {
+    rheo::SkinnyLinearArgs a;
+    a.x = x.data();
+    a.w = w.data();
+    a.y = o.out.data();
+    a.dtype = dtype;
+    a.n = n, a.in = in, a.out = out;
+    a.x_stride = x_stride, a.y_stride = y_stride;
+    a.o_begin = o_begin, a.o_end = o_end;
+    return a;
+  };
+  const AttnOut fresh{std::vector<unsigned char>(n * y_stride * elem_size(dtype), 0xAB)};
+  AttnOut cpu = fresh;
+  rheo::skinny_linear_cpu(args(cpu));
+  const AttnOut cuda =
+      run_twice<AttnOut>([&](AttnOut& o) { return rheo::skinny_linear_cuda(args(o), nullptr); }, fresh);
+  const double scale = std::sqrt(static_cast<double>(in)) * 9.0;  // |y| ~ 9 sqrt(in)
+  expect_close(cuda.out, cpu.out, dtype, dtype == DType::kFloat32 ? 2e-6 * scale : 8e-3, "y");
+}
+
+void skinny_linear_tests() {
+  uint64_t seed = 400;
+  for (const DType d : {DType::kFloat32, DType::kBFloat16}) {
+    skinny_linear_case(1, 64, 37, 0, 37, d, 0, ++seed);
+    skinny_linear_case(3, 100, 16, 0, 16, d, 0, ++seed);    // in % 8 != 0: scalar loads
+    skinny_linear_case(9, 256, 40, 5, 33, d, 8, ++seed);    // rows past kMaxRows, a column range
+    skinny_linear_case(17, 512, 8, 0, 8, d, 3, ++seed);     // misaligned stride: scalar loads
+    if (!quick) skinny_linear_case(4, 4096, 64, 0, 64, d, 0, ++seed);
+  }
+}
+
+// --- verification -----------------------------------------------------------------------------------
+
+struct VerifyCase {
+  int64_t B, N, V, Se;
+  DType dtype;
+  rheo::VerifyMethod method;
+  double T, top_p;
+  int32_t top_k;
+  Logits logits;
+};
+
+struct VerifyOut {
+  std::vector<int32_t> path, len, bonus, status;
+  bool operator==(const VerifyOut& o) const {
+    return path == o.path && len == o.len && bonus == o.bonus && status == o.status;
+  }
+};
+
+struct VerifyInputs {
+  std::vector<unsigned char> logits, q;
+  std::vector<int32_t> tokens, parents, sampled, ids;
+  int64_t R = 0, P = 0;
+};
+
+// A random tree (parents precede children), a sampled child at slot 1 of about half the parents
+// with a q~ row over a random support holding its token (q~ > 0 there), target logits of a kind.
+// Children's tokens are drawn near the target's mode so that acceptance is common.
+VerifyInputs make_verify_inputs(const VerifyCase& c, Rng& rng) {
+  VerifyInputs in;
+  const DType acc = c.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  std::vector<float> x = make_logits(rng, c.B * c.N * c.V, c.logits);
+  std::vector<float> q;
+  in.tokens.assign(c.B * c.N, 0);
+  in.parents.assign(c.B * c.N, -1);
+  in.sampled.assign(c.B * c.N, -1);
+  int64_t max_depth = 0;
+  for (int64_t b = 0; b < c.B; ++b) {
+    std::vector<int64_t> depth(c.N, 0), n_children(c.N, 0);
+    for (int64_t i = 1; i < c.N; ++i) {
+      const int64_t p = rng.uniform() < 0.6 ? i - 1 : rng.below(i);
+      in.parents[b * c.N + i] = static_cast<int32_t>(p);
+      depth[i] = depth[p] + 1;
+      max_depth = std::max(max_depth, depth[i]);
+      // A likely token at the parent: one of the 4 largest logits there, or a random one.
+      const float* row = x.data() + (b * c.N + p) * c.V;
+      std::vector<int32_t> best(c.V);
+      std::iota(best.begin(), best.end(), 0);
+      const int64_t top = std::min<int64_t>(4, c.V);
+      std::partial_sort(best.begin(), best.begin() + top, best.end(),
+                        [&](int32_t u, int32_t v) { return row[u] > row[v]; });
+      const int32_t tok = rng.uniform() < 0.8 ? best[rng.below(top)] : static_cast<int32_t>(rng.below(c.V));
+      in.tokens[b * c.N + i] = tok;
+      if (++n_children[p] == 2 && c.Se > 0 && rng.uniform() < 0.7) {
+        in.sampled[b * c.N + i] = static_cast<int32_t>(in.R++);
+        std::vector<int32_t> support(c.V);
+        std::iota(support.begin(), support.end(), 0);
+        std::shuffle(support.begin(), support.end(), rng.g);
+        support.resize(c.Se);
+        if (std::find(support.begin(), support.end(), tok) == support.end()) support[rng.below(c.Se)] = tok;
+        double total = 0.0;
+        std::vector<double> w(c.Se);
+        for (int64_t s = 0; s < c.Se; ++s) {
+          w[s] = support[s] == tok || rng.uniform() < 0.8 ? rng.uniform() + 0.05 : 0.0;
+          total += w[s];
+        }
+        for (int64_t s = 0; s < c.Se; ++s) {
+          in.ids.push_back(support[s]);
+          q.push_back(static_cast<float>(w[s] / total));
+        }
+      }
+    }
+  }
+  in.P = max_depth + 1;
+  in.logits = encode(x, c.dtype);
+  in.q = encode(q, acc);
+  return in;
+}
+
+VerifyOut verify_outputs(const VerifyCase& c, int64_t P) {
+  return {std::vector<int32_t>(c.B * P, -7), std::vector<int32_t>(c.B, -7),
+          std::vector<int32_t>(c.B, -7), {0}};
+}
+
+rheo::VerificationArgs verify_args(const VerifyCase& c, const VerifyInputs& in, VerifyOut& o,
+                                   double* workspace) {
+  rheo::VerificationArgs a;
+  a.logits = in.logits.data();
+  a.dtype = c.dtype;
+  a.B = c.B, a.N = c.N, a.V = c.V;
+  a.tokens = in.tokens.data();
+  a.parents = in.parents.data();
+  a.sampled_row = in.sampled.data();
+  a.q_tilde_ids = in.ids.data();
+  a.q_tilde = in.q.data();
+  a.R = in.R, a.Se = c.Se;
+  a.method = c.method;
+  a.T = c.T;
+  a.top_p = c.top_p;
+  a.top_k = c.top_k;
+  a.seed = 77;
+  a.step = 5;
+  a.accept_path = o.path.data();
+  a.path_capacity = in.P;
+  a.accept_len = o.len.data();
+  a.bonus_token = o.bonus.data();
+  a.status = o.status.data();
+  a.workspace = workspace;
+  return a;
+}
+
+const char* method_name(rheo::VerifyMethod m) {
+  return m == rheo::VerifyMethod::kTopK ? "topk" : m == rheo::VerifyMethod::kRRSW ? "rrsw" : "rheo";
+}
+
+int verify_mismatches = 0, verify_trees = 0;
+
+void verification_case(const VerifyCase& c, uint64_t seed) {
+  ++cases;
+  char name[200];
+  std::snprintf(name, sizeof name, "verification B=%ld N=%ld V=%ld Se=%ld %s %s T=%.2f top_p=%.2f top_k=%d%s",
+                long(c.B), long(c.N), long(c.V), long(c.Se), dtype_name(c.dtype),
+                method_name(c.method), c.T, c.top_p, c.top_k, c.logits == Logits::kTies ? " ties" : "");
+  current_case = name;
+  Rng rng(seed);
+  const VerifyInputs in = make_verify_inputs(c, rng);
+  std::vector<double> workspace(c.B * c.V);
+  VerifyOut cpu = verify_outputs(c, in.P);
+  rheo::verification_cpu(verify_args(c, in, cpu, nullptr));
+  const VerifyOut cuda = run_twice<VerifyOut>(
+      [&](VerifyOut& o) { return rheo::verification_cuda(verify_args(c, in, o, workspace.data()), nullptr); },
+      verify_outputs(c, in.P));
+  verify_trees += static_cast<int>(c.B);
+  // A coin within rounding of an acceptance threshold may go the other way (block sums add in
+  // another order); a tree that differs is counted, and more than 1 in 200 fails the run.
+  for (int64_t b = 0; b < c.B; ++b) {
+    bool same = cuda.len[b] == cpu.len[b] && cuda.bonus[b] == cpu.bonus[b];
+    for (int64_t i = 0; i < in.P; ++i) same = same && cuda.path[b * in.P + i] == cpu.path[b * in.P + i];
+    if (!same) {
+      ++verify_mismatches;
+      std::printf("note [%s] tree %ld: cuda len %d bonus %d, cpu len %d bonus %d\n", name, long(b),
+                  cuda.len[b], cuda.bonus[b], cpu.len[b], cpu.bonus[b]);
+    }
+  }
+  expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
+}
+
+// Bad input at verification: the CPU raises, CUDA sets a status bit and emits a safe verdict.
+void verification_bad(const char* what, int32_t bit, const std::function<void(VerifyInputs&, const VerifyCase&)>& spoil) {
+  ++cases;
+  current_case = std::string("verification bad input: ") + what;
+  const VerifyCase c{2, 12, 300, 16, DType::kFloat32, rheo::VerifyMethod::kRheo, 1.0, 1.0, 0, Logits::kNormal};
+  Rng rng(11);
+  VerifyInputs in = make_verify_inputs(c, rng);
+  spoil(in, c);
+  std::vector<double> workspace(c.B * c.V);
+  VerifyOut cpu = verify_outputs(c, in.P);
+  if (!cpu_raises([&] { rheo::verification_cpu(verify_args(c, in, cpu, nullptr)); }))
+    fail("the CPU kernel accepted it");
+  const VerifyOut cuda = run_twice<VerifyOut>(
+      [&](VerifyOut& o) { return rheo::verification_cuda(verify_args(c, in, o, workspace.data()), nullptr); },
+      verify_outputs(c, in.P));
+  if (!(cuda.status[0] & bit)) fail("status bit " + std::to_string(bit) + " not set");
+  for (int64_t b = 0; b < c.B; ++b)
+    if (cuda.len[b] < 1 || cuda.bonus[b] < 0 || cuda.bonus[b] >= c.V) fail("verdict out of range");
+}
+
+void verification_tests() {
+  uint64_t seed = 500;
+  using M = rheo::VerifyMethod;
+  const std::vector<DType> dtypes = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64};
+  for (const DType d : dtypes) {
+    for (const M m : {M::kTopK, M::kRRSW, M::kRheo}) {
+      for (const Logits lk : {Logits::kNormal, Logits::kTies, Logits::kPeaked}) {
+        verification_case({4, 60, 111, 32, d, m, 1.0, 1.0, 0, lk}, ++seed);
+        verification_case({4, 60, 111, 32, d, m, 0.7, 0.8, 0, lk}, ++seed);
+        verification_case({4, 60, 111, 32, d, m, 1.0, 1.0, 20, lk}, ++seed);
+        verification_case({4, 60, 111, 32, d, m, 0.0, 1.0, 0, lk}, ++seed);
+        // top_p = 0.53, not 0.5: tie-heavy rows often keep n equally likely tokens after top-k,
+        // and top_p * n an integer is a rounding boundary in both kernels.
+        verification_case({2, 1, 111, 32, d, m, 0.9, 0.53, 7, lk}, ++seed);
+      }
+      if (quick) continue;
+      verification_case({1, 60, 32000, 128, d, m, 1.0, 0.9, 0, Logits::kPeaked}, ++seed);
+      verification_case({8, 20, 3000, 64, d, m, 0.8, 1.0, 50, Logits::kNormal}, ++seed);
+    }
+  }
+  if (!quick) verification_case({1, 30, 128256, 128, DType::kBFloat16, M::kRheo, 1.0, 0.95, 0, Logits::kPeaked}, ++seed);
+  verification_bad("NaN target logit at the root", rheo::kStatusNonFiniteTarget, [](VerifyInputs& in, const VerifyCase& c) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(in.logits.data() + (1 * c.N * c.V + 7) * 4, &nan, 4);
+  });
+  verification_bad("parent after its child", rheo::kStatusBadVerifyInput, [](VerifyInputs& in, const VerifyCase& c) {
+    in.parents[1 * c.N + 3] = 5;
+  });
+  verification_bad("token outside the vocabulary", rheo::kStatusBadVerifyInput, [](VerifyInputs& in, const VerifyCase& c) {
+    in.tokens[0 * c.N + 4] = static_cast<int32_t>(c.V);
+  });
+  verification_bad("sampled token with q~ = 0", rheo::kStatusBadVerifyInput, [](VerifyInputs& in, const VerifyCase& c) {
+    for (int64_t j = 0; j < c.B * c.N; ++j) {
+      if (in.sampled[j] < 0) continue;
+      const int64_t row = in.sampled[j];
+      for (int64_t s = 0; s < c.Se; ++s)
+        if (in.ids[row * c.Se + s] == in.tokens[j]) std::memset(in.q.data() + (row * c.Se + s) * 4, 0, 4);
+      return;
+    }
+  });
+  verification_bad("two sampled children", rheo::kStatusBadVerifyInput, [](VerifyInputs& in, const VerifyCase& c) {
+    for (int64_t j = 0; j < c.N; ++j) {
+      if (in.sampled[j] < 0) continue;
+      for (int64_t k = 1; k < c.N; ++k)
+        if (k != j && in.parents[k] == in.parents[j]) in.sampled[k] = in.sampled[j];
+      return;
+    }
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--quick") quick = true;
+    else if (arg == "--only" && i + 1 < argc) only = argv[++i];
+    else if (arg == "--seeds" && i + 1 < argc) std::sscanf(argv[++i], "%lu,%lu", &seed_a, &seed_b);
+    else {
+      std::printf("usage: kernel_tests [--quick] [--only NAME] [--seeds A,B]\n");
+      return 2;
+    }
+  }
+  const std::pair<const char*, void (*)()> suites[] = {
+      {"pool_sampler", pool_sampler_tests}, {"proxy_rerank", proxy_rerank_tests},
+      {"tree_attention", tree_attention_tests}, {"skinny_linear", skinny_linear_tests},
+      {"verification", verification_tests}};
+  for (const auto& [name, fn] : suites) {
+    if (!only.empty() && only != name) continue;
+    const int before = failures, cases_before = cases;
+    rheo_emu::reset_counters();
+    fn();
+    const auto c = rheo_emu::counters();
+    std::printf("%-15s %3d cases  %s  (%lu launches, %lu blocks, %lu fiber switches)\n", name,
+                cases - cases_before, failures == before ? "ok" : "FAILED",
+                static_cast<unsigned long>(c.launches), static_cast<unsigned long>(c.blocks),
+                static_cast<unsigned long>(c.switches));
+  }
+  if (verify_trees > 0) {
+    std::printf("verification: %d of %d trees differ from the CPU (coin at a rounding boundary)\n",
+                verify_mismatches, verify_trees);
+    if (verify_mismatches * 200 > verify_trees) {
+      std::printf("FAIL more than 1 in 200 trees differ\n");
+      ++failures;
+    }
+  }
+  std::printf("%s: %d cases, %d failures (schedules %lu and %lu)\n", failures ? "FAILED" : "ok",
+              cases, failures, static_cast<unsigned long>(seed_a), static_cast<unsigned long>(seed_b));
+  return failures ? 1 : 0;
+}
