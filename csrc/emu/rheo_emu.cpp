@@ -691,6 +691,7 @@ cudaError_t cudaGetLastError() {
 cudaError_t cudaPeekAtLastError() { return rheo_emu::detail::last_error; }
 
 cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t) {
+  ++rheo_emu::detail::stats.allocations;
   *ptr = std::malloc(bytes == 0 ? 1 : bytes);
   return *ptr == nullptr ? cudaErrorMemoryAllocation : cudaSuccess;
 }

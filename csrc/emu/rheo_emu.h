@@ -88,6 +88,7 @@ const std::string& last_error_message();
 // Counters since the last reset (for tests and for the cost of emulation).
 struct Counters {
   uint64_t launches = 0, blocks = 0, threads = 0, switches = 0;
+  uint64_t allocations = 0;  // cudaMallocAsync calls
 };
 Counters counters();
 void reset_counters();

@@ -611,18 +611,24 @@ void proxy_rerank_tests() {
 
 // --- tree attention ------------------------------------------------------------------------------
 
+// The outputs, and the split-KV workspace (poisoned with NaN, so a partial the merge reads but no
+// block wrote shows up in out). Only out is compared between the schedules.
 struct AttnOut {
   std::vector<unsigned char> out;
+  std::vector<float> workspace;
   bool operator==(const AttnOut& o) const { return out == o.out; }
 };
 
+// blind_every > 0: nodes n % blind_every == 0 get an all-zero mask row (with prefix 0 they see
+// nothing and must get zeros; the other nodes may still see them as ancestors).
 void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t prefix,
-                         DType dtype, bool random_mask, uint64_t seed) {
+                         DType dtype, bool random_mask, uint64_t seed, int64_t blind_every = 0) {
   ++cases;
   current_case = "tree_attention B=" + std::to_string(B) + " N=" + std::to_string(N) + " H=" +
                  std::to_string(H) + "/" + std::to_string(Hkv) + " D=" + std::to_string(D) +
                  " prefix=" + std::to_string(prefix) + " " + dtype_name(dtype) +
-                 (random_mask ? " random mask" : "");
+                 (random_mask ? " random mask" : "") +
+                 (blind_every ? " blind every " + std::to_string(blind_every) : "");
   Rng rng(seed);
   const int64_t Lc = prefix + N + 3;  // spare cache rows past the tree: never read
   const int64_t q_pad = 5;            // q rows strided with padding between heads' blocks
@@ -636,6 +642,7 @@ void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D
     std::vector<int64_t> parent(N, -1);
     for (int64_t i = 1; i < N; ++i) parent[i] = rng.below(i);
     for (int64_t i = 0; i < N; ++i) {
+      if (blind_every > 0 && i % blind_every == 0) continue;
       if (random_mask) {
         for (int64_t j = 0; j < N; ++j) mask[(b * N + i) * N + j] = rng.uniform() < 0.3;
         continue;
@@ -643,22 +650,29 @@ void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D
       for (int64_t j = i; j >= 0; j = parent[j]) mask[(b * N + i) * N + j] = 1;
     }
   }
+  rheo::TreeAttentionArgs base;
+  base.q = q.data();
+  base.k = k.data();
+  base.v = v.data();
+  base.tree_mask = mask.data();
+  base.dtype = dtype;
+  base.B = B, base.N = N, base.H = H, base.Hkv = Hkv, base.D = D;
+  base.prefix_len = prefix;
+  base.q_stride_b = q_stride_b, base.q_stride_n = q_stride_n, base.q_stride_h = q_stride_h;
+  base.kv_stride_b = kv_stride_b, base.kv_stride_l = kv_stride_l, base.kv_stride_h = kv_stride_h;
+  base.scale = 1.0f / std::sqrt(static_cast<float>(D));
   auto args = [&](AttnOut& o) {
-    rheo::TreeAttentionArgs a;
-    a.q = q.data();
-    a.k = k.data();
-    a.v = v.data();
-    a.tree_mask = mask.data();
+    rheo::TreeAttentionArgs a = base;
     a.out = o.out.data();
-    a.dtype = dtype;
-    a.B = B, a.N = N, a.H = H, a.Hkv = Hkv, a.D = D;
-    a.prefix_len = prefix;
-    a.q_stride_b = q_stride_b, a.q_stride_n = q_stride_n, a.q_stride_h = q_stride_h;
-    a.kv_stride_b = kv_stride_b, a.kv_stride_l = kv_stride_l, a.kv_stride_h = kv_stride_h;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    a.workspace = o.workspace.empty() ? nullptr : o.workspace.data();
     return a;
   };
-  const AttnOut fresh{std::vector<unsigned char>(B * N * H * D * elem_size(dtype), 0xAB)};
+  const size_t ws_floats = rheo::tree_attention_workspace_floats(base);
+  if (ws_floats > 0)
+    current_case += " splits=" + std::to_string(ws_floats / (B * N * H * (D + 2)));
+  if (std::getenv("TA_VERBOSE")) std::printf("%s\n", current_case.c_str());
+  const AttnOut fresh{std::vector<unsigned char>(B * N * H * D * elem_size(dtype), 0xAB),
+                      std::vector<float>(ws_floats, std::numeric_limits<float>::quiet_NaN())};
   AttnOut cpu = fresh;
   rheo::tree_attention_cpu(args(cpu));
   const AttnOut cuda =
@@ -666,15 +680,55 @@ void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D
   // float32 sums in another order; a 16-bit output may round to the neighbouring value.
   const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 1.6e-2 : 2e-3;
   expect_close(cuda.out, cpu.out, dtype, tol, "out");  // values ~ N(0, 3): tol relative to that scale
+  if (blind_every > 0 && prefix == 0) {  // the blind nodes' rows are exactly zero
+    const size_t es = elem_size(dtype);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < N; n += blind_every)
+        for (int64_t i = (b * N + n) * H * D; i < (b * N + n + 1) * H * D; ++i)
+          if (decode(cuda.out.data() + i * es, dtype) != 0.0) {
+            fail("blind node " + std::to_string(n) + " of entry " + std::to_string(b) +
+                 " got a non-zero output");
+            b = B, n = N;
+            break;
+          }
+  }
+}
+
+// The CUDA limits: D past the register tiles, H % Hkv, a split prefix without a workspace.
+void tree_attention_limits() {
+  ++cases;
+  current_case = "tree_attention limits";
+  rheo::TreeAttentionArgs a;
+  a.B = 1, a.N = 60, a.H = 32, a.Hkv = 8, a.D = 128, a.prefix_len = 8192;
+  if (rheo::tree_attention_workspace_floats(a) == 0) fail("prefix 8192 is not split");
+  if (!cpu_raises([&] { rheo::tree_attention_cuda(a, nullptr); }))
+    fail("a split prefix with a null workspace does not raise");
+  a.prefix_len = 10;
+  if (rheo::tree_attention_workspace_floats(a) != 0) fail("prefix 10 is split");
+  a.D = 257;
+  if (!cpu_raises([&] { rheo::tree_attention_workspace_floats(a); })) fail("D = 257 does not raise");
+  a.D = 128, a.Hkv = 5;
+  if (!cpu_raises([&] { rheo::tree_attention_cuda(a, nullptr); })) fail("H % Hkv != 0 does not raise");
 }
 
 void tree_attention_tests() {
   uint64_t seed = 300;
+  tree_attention_limits();
   for (const DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
     tree_attention_case(1, 1, 4, 2, 64, 0, d, false, ++seed);
     tree_attention_case(2, 7, 4, 1, 33, 5, d, false, ++seed);
     tree_attention_case(1, 60, 4, 2, 128, quick ? 20 : 300, d, false, ++seed);
     tree_attention_case(3, 9, 2, 2, 16, 0, d, true, ++seed);  // rows that see nothing: zeros
+    // The paper's heads (G = 4): 240 query rows = 3.75 row tiles, 5 uneven splits at 1000.
+    tree_attention_case(1, 60, 32, 8, 128, quick ? 200 : 1000, d, false, ++seed);
+    tree_attention_case(2, 2, 8, 2, 80, 255, d, false, ++seed);   // 2 splits, a 1-key tail tile
+    tree_attention_case(1, 5, 4, 4, 64, 257, d, false, ++seed);   // G = 1, 2 splits
+    tree_attention_case(3, 17, 8, 2, 33, 1, d, true, ++seed);     // 68 rows: a 4-row second tile
+    tree_attention_case(1, 3, 12, 4, 128, quick ? 700 : 2000, d, false, ++seed);  // G = 3, 8 splits
+    tree_attention_case(2, 4, 4, 2, 256, 100, d, false, ++seed);  // D = 256: 145 KB opt-in
+    tree_attention_case(1, 6, 6, 3, 150, 40, d, false, ++seed);   // kVec = 3, D % 64 != 0
+    tree_attention_case(1, 300, 2, 1, 64, 0, d, false, ++seed, 7);  // blind rows, 2 splits
+    tree_attention_case(2, 40, 4, 1, 7, 0, d, true, ++seed, 3);     // blind rows, tiny D
   }
 }
 
