@@ -6,7 +6,8 @@
 // Per row:
 //   1. radix select (8 bits a pass, 256-bin shared histogram) of the key of the Se-th highest
 //      logit: every element above it is in the support, ties at it are taken lowest id first
-//      (an ordered block scan over V), so the support is exactly the CPU's;
+//      (each warp scans a contiguous id range; warp counts in order), so the support is exactly
+//      the CPU's;
 //   2. the Se entries are gathered into the row's outputs (q_tilde_ids, q_tilde as scratch) and
 //      rank-sorted in support order (descending logit, lower id first);
 //   3. the outside mass sum exp(l - M) over l below the support (block reduction in double);
@@ -28,7 +29,10 @@ namespace rheo {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxPerThread = 64;  // support entries a thread ranks: Se <= 256 * 64
+// Support entries a thread ranks: Se <= 256 * 8 = 2048. Its three local arrays are the kernel's
+// stack frame (128 bytes for fp64), which the driver reserves for every resident thread (at 64
+// entries: 1 KB, ~270 MB of local memory on an H200).
+constexpr int kMaxPerThread = 8;
 constexpr int64_t kMaxSupport = int64_t(kThreads) * kMaxPerThread;
 
 __device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
@@ -108,38 +112,55 @@ __device__ bool radix_select(const Src* row, int64_t V, int64_t Se, Key* thr, in
 // False (block-uniform) on a non-finite logit, with nothing gathered.
 template <typename Src, typename Key, typename Acc>
 __device__ bool gather_support(const Src* row, int64_t V, int64_t Se, int32_t* ids, Acc* vals) {
-  __shared__ unsigned int above_count, tie_count, warp_ties[kThreads / 32];
+  __shared__ unsigned int above_count, warp_ties[kThreads / 32];
   Key thr;
   int64_t n_ties;
   if (!radix_select<Src, Key>(row, V, Se, &thr, &n_ties)) return false;
   const int64_t n_above = Se - n_ties;
-  if (threadIdx.x == 0) { above_count = 0; tie_count = 0; }
+  if (threadIdx.x == 0) above_count = 0;
   __syncthreads();
+  // Warp w owns the contiguous ids [w_lo, w_hi) and reads them 32 at a time (coalesced). Pass 1
+  // places the entries above the threshold (any order: the rank sort below orders them) and
+  // counts the warp's ties; the warps' counts in warp order give each warp its first tie slot,
+  // and pass 2 places ties lowest id first until the support is full (usually one tie, so it
+  // reads a few tiles). Two block barriers in all; the tile loop this replaces paid three per
+  // 256 ids (1500 at V = 128256).
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int64_t i0 = 0; i0 < V; i0 += kThreads) {  // tiles in id order: ties lowest id first
-    const int64_t i = i0 + threadIdx.x;
-    const Acc x = i < V ? Acc(load(row, i)) : Acc(0);
-    const Key k = i < V ? key_of(x) : Key(0);
-    const bool tie = i < V && k == thr;
-    if (i < V && k > thr) {
+  constexpr int kWarps = kThreads / 32;
+  const int64_t per_warp = (V + kWarps - 1) / kWarps;
+  const int64_t w_lo = per_warp * warp < V ? per_warp * warp : V;
+  const int64_t w_hi = w_lo + per_warp < V ? w_lo + per_warp : V;
+  unsigned int warp_count = 0;
+  for (int64_t i0 = w_lo; i0 < w_hi; i0 += 32) {  // warp-uniform trip count
+    const int64_t i = i0 + lane;
+    const bool in = i < w_hi;
+    const Acc x = in ? Acc(load(row, i)) : Acc(0);
+    const Key k = in ? key_of(x) : Key(0);
+    if (in && k > thr) {
       const unsigned int at = atomicAdd(&above_count, 1u);
       ids[at] = static_cast<int32_t>(i);
       vals[at] = x;
     }
-    const unsigned int ballot = __ballot_sync(0xFFFFFFFFu, tie);
-    if (lane == 0) warp_ties[warp] = __popc(ballot);
-    __syncthreads();
-    unsigned int before = tie_count + __popc(ballot & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) before += warp_ties[w];
-    if (tie && before < n_ties) {
-      ids[n_above + before] = static_cast<int32_t>(i);
-      vals[n_above + before] = x;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < kThreads / 32; ++w) tie_count += warp_ties[w];
-    __syncthreads();
+    warp_count += __popc(__ballot_sync(0xFFFFFFFFu, in && k == thr));
   }
+  if (lane == 0) warp_ties[warp] = warp_count;
+  __syncthreads();
+  int64_t before = 0;
+  for (int w = 0; w < warp; ++w) before += warp_ties[w];
+  for (int64_t i0 = w_lo; i0 < w_hi && before < n_ties; i0 += 32) {  // before: warp-uniform
+    const int64_t i = i0 + lane;
+    const bool in = i < w_hi;
+    const Acc x = in ? Acc(load(row, i)) : Acc(0);
+    const bool tie = in && key_of(x) == thr;
+    const unsigned int ballot = __ballot_sync(0xFFFFFFFFu, tie);
+    const int64_t at = before + __popc(ballot & ((1u << lane) - 1u));
+    if (tie && at < n_ties) {
+      ids[n_above + at] = static_cast<int32_t>(i);
+      vals[n_above + at] = x;
+    }
+    before += __popc(ballot);
+  }
+  __syncthreads();
   // Rank sort: rank = number of entries ahead in support order; then scatter in place.
   int32_t my_id[kMaxPerThread];
   Acc my_val[kMaxPerThread];
