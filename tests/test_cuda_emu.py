@@ -74,3 +74,11 @@ def test_sanitized(emu_build: Path) -> None:
     _run(emu_build, "internals_asan", "3")
     out = _run(emu_build, "kernel_tests_asan", "--quick", "--seeds", "3,4")
     assert "ok:" in out, out
+
+
+def test_sanitizer_sees_emulated_kernels(emu_build: Path) -> None:
+    """Negative control: an emulated kernel writing past its dynamic shared memory is stopped."""
+    done = subprocess.run(
+        [str(emu_build / "selftest_asan"), "overflow"], capture_output=True, text=True, env=_env()
+    )
+    assert done.returncode != 0 and "heap-buffer-overflow" in done.stderr, done.stderr[-3000:]

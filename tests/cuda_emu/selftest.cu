@@ -231,9 +231,24 @@ void test_races_show() {
   CHECK(!schedules_differ(trivial, 64));  // and a correct kernel does not differ
 }
 
+// One element past the dynamic shared buffer: the negative control of the sanitized build
+// (AddressSanitizer must stop the program; tests/test_cuda_emu.py checks that it does).
+__global__ void write_past_dynamic_shared(int* out) {
+  RHEO_DYNAMIC_SHARED(int, dyn);
+  dyn[threadIdx.x + 1] = 1;
+  __syncthreads();
+  out[threadIdx.x] = dyn[threadIdx.x];
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "overflow") {
+    std::vector<int> out(32);
+    write_past_dynamic_shared RHEO_LAUNCH(1, 32, 32 * sizeof(int), nullptr)(out.data());
+    std::printf("overflow: not detected\n");
+    return 0;
+  }
   const uint64_t seed = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1;
   rheo_emu::set_schedule_seed(seed);
   test_shuffles();
