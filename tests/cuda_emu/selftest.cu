@@ -4,10 +4,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "../../csrc/cpu/cpu_math.h"
 #include "device_utils.cuh"
 
 namespace {
@@ -106,6 +109,38 @@ void test_barriers_and_atomics() {
     CHECK(out[b * 5 + 3] == 95);
     CHECK(out[b * 5 + 4] == b);  // every block ran once, with its own index
     CHECK(dout[b] == 24.0);
+  }
+}
+
+// --- 16-bit conversions: the emulator's __half / __nv_bfloat16 against the CPU kernels' ------
+
+void test_conversions() {
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const __half h{static_cast<uint16_t>(bits)};
+    const __nv_bfloat16 b{static_cast<uint16_t>(bits)};
+    const float fh = __half2float(h), fb = __bfloat162float(b);
+    const float ch = rheo::cpu::half_to_float(static_cast<uint16_t>(bits));
+    const float cb = rheo::cpu::bf16_to_float(static_cast<uint16_t>(bits));
+    CHECK((std::isnan(fh) && std::isnan(ch)) || std::memcmp(&fh, &ch, 4) == 0);
+    CHECK((std::isnan(fb) && std::isnan(cb)) || std::memcmp(&fb, &cb, 4) == 0);
+  }
+  // float -> 16 bit: every float whose low 13 (half) / 16 (bf16) bits sit at or around a rounding
+  // boundary, over all exponents, plus a sweep.
+  uint64_t state = 12345;
+  for (int i = 0; i < 2000000; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    uint32_t u = static_cast<uint32_t>(state >> 32);
+    if (i % 3 == 0) u = (u & ~0x1FFFu) | (0x1000u + (u & 3u) - 1u);  // near a half tie
+    if (i % 3 == 1) u = (u & ~0xFFFFu) | (0x8000u + (u & 3u) - 1u);  // near a bf16 tie
+    float f;
+    std::memcpy(&f, &u, 4);
+    const uint16_t eh = __float2half_rn(f).bits, ch = rheo::cpu::float_to_half(f);
+    const uint16_t eb = __float2bfloat16_rn(f).bits, cb = rheo::cpu::float_to_bf16(f);
+    if (!std::isnan(f)) CHECK(eh == ch);
+    if (!std::isnan(f)) CHECK(eb == cb);
+    if (std::isnan(f)) CHECK(std::isnan(__half2float(__float2half_rn(f))));
+    if (std::isnan(f)) CHECK(std::isnan(__bfloat162float(__float2bfloat16_rn(f))));
+    if (eh != ch || eb != cb) break;
   }
 }
 
@@ -253,6 +288,7 @@ int main(int argc, char** argv) {
   rheo_emu::set_schedule_seed(seed);
   test_shuffles();
   test_barriers_and_atomics();
+  test_conversions();
   test_misuse();
   test_races_show();
   const auto c = rheo_emu::counters();
