@@ -1,4 +1,4 @@
-"""The end-to-end benches (bench/e2e.py, table4.py, ablations.py, bench_engine.py, gpu_check.sh).
+"""The end-to-end benches (bench/e2e.py, table4.py, ablations.py, bench_engine.py).
 
 They run on a fresh clone: the main checks use the embedded default pair (weights/default) and a
 tiny question folder in EAGLE's layout written to tmp_path; the stories260K checks (needing
@@ -15,14 +15,13 @@ tiny question folder in EAGLE's layout written to tmp_path; the stories260K chec
   every method's first-token law equals p (synthetic nodes, a smaller draft vocabulary, and
   real contexts).
 - ablations: JSON and markdown (and PNG when matplotlib is installed) per ablation.
-- gpu_check.sh fails clearly without a GPU; its step bookkeeping runs in dry-run mode.
+(gpu_check.sh and bench_kernels_gpu.py: tests/test_gpu_check.py.)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -478,69 +477,3 @@ def test_benches_on_stories260K(pair, stories_dir, tmp_path, capsys):
     _e2e_stories_question_sets_cut_long_prompts(pair, stories_dir)
     _table4_stories_on_real_contexts(pair, tmp_path / "t4")
     _ablations_stories_write_their_files(pair, tmp_path / "ablations")
-
-
-# --- gpu_check.sh ----------------------------------------------------------------------------
-
-
-def _gpu_present() -> bool:
-    return torch.cuda.is_available() or shutil.which("nvidia-smi") is not None
-
-
-@pytest.mark.skipif(_gpu_present(), reason="this machine has a GPU: the no-GPU path cannot run")
-def test_gpu_check_fails_clearly_without_gpu(tmp_path):
-    run = subprocess.run(
-        ["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "logs")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert run.returncode == 2 and "no NVIDIA GPU" in run.stderr
-
-
-def _gpu_check_dry(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake (UUID: x)'\n")
-    (fake / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_CHECK_DRY": "1", **env}
-    logs = tmp_path / "logs"
-    run = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(logs)], capture_output=True,
-                         text=True, timeout=30, env=env)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    return run, logs
-
-
-def test_gpu_check_dry_run_lists_every_step(tmp_path):
-    fixture = tmp_path / "llama2c"  # only looked at, never read, in a dry run
-    fixture.mkdir()
-    (fixture / "stories260K.bin").write_bytes(b"")
-    missing = {"STORIES_TARGET": str(tmp_path / "no-target"), "STORIES_HEAD": str(tmp_path / "x")}
-    run, logs = _gpu_check_dry(tmp_path, LLAMA2C=str(fixture), **missing)
-    summary = (logs / "summary.md").read_text()
-    assert "DRY RUN" in summary and summary == run.stdout
-    for name in (
-        "build",
-        "convert",
-        "cuda_tests",
-        "bench_tree_attention",
-        "bench_verification",
-        "train_head",
-        "e2e",
-    ):
-        assert f"| {name} | ok |" in summary
-    assert "FORCE_CUDA=1" in (logs / "build.log").read_text()
-    assert "--device cuda" in (logs / "bench_tree_attention.log").read_text()
-    assert "--device cuda" not in (logs / "bench_verification.log").read_text()
-    assert "-k cuda" in (logs / "cuda_tests.log").read_text()
-
-
-def test_gpu_check_on_a_fresh_clone_uses_the_default_pair(tmp_path):
-    missing = str(tmp_path / "missing")
-    run, logs = _gpu_check_dry(tmp_path, STORIES_TARGET=missing, LLAMA2C=missing)
-    assert "| convert |" not in run.stdout and "| train_head |" not in run.stdout
-    assert "| e2e | ok |" in run.stdout
-    assert (
-        "--target weights/default/target --draft weights/default/draft"
-        in (logs / "e2e.log").read_text()
-    )
