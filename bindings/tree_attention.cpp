@@ -4,6 +4,10 @@
 #include "bindings.h"
 #include "rheo/tree_attention.h"
 
+#ifdef RHEO_WITH_CUDA
+#include <ATen/ops/empty.h>
+#endif
+
 namespace rheo::bind {
 namespace {
 
@@ -82,6 +86,15 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   if (on_cuda(q, "q")) {
 #ifdef RHEO_WITH_CUDA
     const c10::cuda::CUDAGuard guard(q.device());
+    // Split-KV partials (float32) from torch's caching allocator (no cudaMalloc per call). Its
+    // blocks are stream-ordered: freed when this returns, reused only by later work on the same
+    // stream, so the kernels still running on it are safe.
+    const int64_t ws_floats = static_cast<int64_t>(tree_attention_workspace_floats(args));
+    at::Tensor workspace;
+    if (ws_floats > 0) {
+      workspace = at::empty({ws_floats}, q.options().dtype(at::kFloat));
+      args.workspace = workspace.data_ptr<float>();
+    }
     RHEO_CUDA_CHECK(tree_attention_cuda(args, current_stream(q)));
 #endif
     return;

@@ -670,7 +670,6 @@ void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D
   const size_t ws_floats = rheo::tree_attention_workspace_floats(base);
   if (ws_floats > 0)
     current_case += " splits=" + std::to_string(ws_floats / (B * N * H * (D + 2)));
-  if (std::getenv("TA_VERBOSE")) std::printf("%s\n", current_case.c_str());
   const AttnOut fresh{std::vector<unsigned char>(B * N * H * D * elem_size(dtype), 0xAB),
                       std::vector<float>(ws_floats, std::numeric_limits<float>::quiet_NaN())};
   AttnOut cpu = fresh;

@@ -12,6 +12,7 @@
 // Rules: prefix_len + N <= Lc, H % Hkv == 0, D >= 1, dtypes of q, k, v equal.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "rheo/common.h"
@@ -34,10 +35,17 @@ struct TreeAttentionArgs {
   int64_t q_stride_b = 0, q_stride_n = 0, q_stride_h = 0;    // elements
   int64_t kv_stride_b = 0, kv_stride_l = 0, kv_stride_h = 0;  // elements, shared by k and v
   float scale = 1.0f;
+  // tree_attention_cuda only: float32 scratch for the split-KV partials, of
+  // tree_attention_workspace_floats(args) floats on the device (null when that is 0). The binding
+  // allocates it through torch's caching allocator; the CPU kernel ignores it.
+  float* workspace = nullptr;
 };
 
 void tree_attention_cpu(const TreeAttentionArgs& args);
 #ifdef RHEO_WITH_CUDA
+// Floats of args.workspace that tree_attention_cuda needs for these sizes (0: none, the keys are
+// not split). Depends on B, N, H, Hkv, D and prefix_len only; checks them like the kernel.
+size_t tree_attention_workspace_floats(const TreeAttentionArgs& args);
 cudaError_t tree_attention_cuda(const TreeAttentionArgs& args, cudaStream_t stream);
 #endif
 
