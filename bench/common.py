@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -33,17 +34,100 @@ METHODS: tuple[str, ...] = ("ar", "topk", "rrsw", "rheo")
 
 class OpCounter(TorchDispatchMode):
     """Counts the aten operators dispatched inside ``with`` (a kernel launch each on a GPU) and
-    the host reads among them (aten._local_scalar_dense: item(), int(), bool() of a tensor)."""
+    the host reads: every point where the host would wait for a GPU's stream if the tensors
+    lived there, also on a CPU run. A host read is an operator of ``host_read_op`` (item(),
+    int(), bool() of a tensor, torch.equal, nonzero, boolean masks, unique, device-to-host
+    copies) or a call of Tensor.tolist / .numpy / .cpu (np.asarray goes through .numpy), each
+    counted once even when it dispatches a scalar read inside. ``reads`` says where each came
+    from (the innermost rheo_engine frame), for the message of a failing test. ``.to(device)``
+    is not counted: on a CPU run a copy to the model's device cannot be told from one to the
+    host (the engine moves results to the host only with .tolist()). ``uploads`` counts the
+    tensors made from host data (torch.tensor(list)): on a GPU each is a blocking host-to-device
+    copy, which waits for the stream too."""
+
+    aten = torch.ops.aten
+    # Operators that hand the host a value computed on the device (item(), int(), bool(),
+    # `if t.any()`, torch.equal / allclose) ...
+    SCALAR_READS = {aten._local_scalar_dense, aten.equal, aten.allclose, aten.is_nonzero}
+    # ... or whose output shape depends on the data, which the host must read before it can
+    # allocate (torch.where(cond) with one argument, unique, bincount; boolean masks below).
+    DATA_SHAPED = {aten.nonzero, aten.masked_select, aten._unique, aten._unique2,
+                   aten.unique_dim, aten.unique_consecutive, aten.unique_dim_consecutive,
+                   aten.bincount}  # fmt: skip
+    INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+    # Tensor methods that copy a tensor to host memory. On a GPU tensor each is a device-to-host
+    # copy; on a CPU tensor none dispatches an operator that says so, so the counter patches
+    # them while it is active.
+    HOST_METHODS = ("tolist", "numpy", "cpu")
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = self.host_reads = 0
+        self.ops = self.host_reads = self.uploads = 0
+        self.reads: list[str] = []
+        self._quiet = 0  # > 0 inside a patched method: its own reads are already counted
+        self._saved: dict[str, object] = {}
+
+    @classmethod
+    def host_read_op(cls, func, args, kwargs) -> bool:
+        """Whether the aten call would force a device-to-host read on GPU tensors."""
+        aten, packet = cls.aten, func.overloadpacket
+        if packet in cls.SCALAR_READS or packet in cls.DATA_SHAPED:
+            return True
+        if packet in cls.INDEXING:  # a boolean mask index is a nonzero() in disguise
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            return any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                for i in indices or ()
+            )
+        if packet is aten.repeat_interleave:  # tensor repeats: the output length is their sum
+            repeats = args[0] if func is aten.repeat_interleave.Tensor else args[1]
+            return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+        if packet in (aten._to_copy, aten.copy_):  # a real device-to-host copy (a GPU run)
+            src = args[1] if packet is aten.copy_ else args[0]
+            dst = args[0].device if packet is aten.copy_ else kwargs.get("device")
+            return src.device.type != "cpu" and dst is not None and torch.device(dst).type == "cpu"
+        return False
+
+    def _read(self, what: str) -> None:
+        self.host_reads += 1
+        frames = [f for f in traceback.extract_stack()[:-2] if "rheo_engine" in f.filename]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+        self.reads.append(f"{what} at {where}")
+
+    def _patched(self, name: str, method):
+        def read(tensor, *args, **kwargs):
+            if self._quiet == 0:
+                self._read(f"Tensor.{name}()")
+            self._quiet += 1
+            try:
+                return method(tensor, *args, **kwargs)
+            finally:
+                self._quiet -= 1
+
+        return read
+
+    def __enter__(self):
+        for name in self.HOST_METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, self._patched(name, getattr(torch.Tensor, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            if method is None:
+                delattr(torch.Tensor, name)  # it was inherited from torch._C.TensorBase
+            else:
+                setattr(torch.Tensor, name, method)
+        self._saved = {}
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.ops += 1
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.host_reads += 1
-        return func(*args, **(kwargs or {}))
+        if self._quiet == 0 and self.host_read_op(func, args, kwargs):
+            self._read(str(func))
+        self.uploads += func.overloadpacket is self.aten.lift_fresh
+        return func(*args, **kwargs)
 
 
 # --- conditions -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,18 @@ inline void check_same_device(const at::Tensor& t, const char* name, const at::T
                               const char* ref_name) {
   RHEO_CHECK(t.device() == ref.device(), name, " is on ", t.device().str(), " but ", ref_name,
              " is on ", ref.device().str(), "; move both to the same device");
+}
+
+// The pointer of an optional status word (common.h StatusBit): a [1] int32 tensor on the device of
+// `ref`, or null for None. A CUDA kernel ORs a bit into it on bad input instead of raising (which
+// would need a host sync); the CPU kernels raise at once and ignore it. The caller zeroes it and
+// reads it once per step (rheo_engine.verify.read_outcome), so nothing here reads it.
+inline int32_t* status_ptr(const std::optional<at::Tensor>& status, const at::Tensor& ref,
+                           const char* ref_name) {
+  if (!status) return nullptr;
+  check_buffer(*status, "status", at::kInt, {1}, "[1]");
+  check_same_device(*status, "status", ref, ref_name);
+  return status->data_ptr<int32_t>();
 }
 
 // Floating dtype of a logits / activation tensor.

@@ -1,6 +1,8 @@
 // The functions bindings/<kernel>.cpp export to Python (registered in module.cpp). Each checks
 // its tensors (device, dtype, contiguity, shape), fills the kernel's args struct and calls the
 // _cpu or _cuda implementation by device. Outputs are allocated by rheo_engine/kernels.py.
+// `status` (None or a [1] int32 device word, common.h StatusBit) is where a CUDA kernel reports
+// bad input without a host sync; the CPU kernels raise instead.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,16 +17,19 @@ void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, dou
                   uint64_t seed, uint64_t step, int64_t level,
                   const std::optional<at::Tensor>& forced_sample, at::Tensor& tokens,
                   at::Tensor& log_proxy, at::Tensor& sampled_slot, at::Tensor& q_tilde_ids,
-                  at::Tensor& q_tilde, at::Tensor& q_sampled);
+                  at::Tensor& q_tilde, at::Tensor& q_sampled,
+                  const std::optional<at::Tensor>& status);
 
 // proxy rerank (csrc/include/rheo/proxy_rerank.h)
-void select_expand(const at::Tensor& scores, at::Tensor& expand);
+void select_expand(const at::Tensor& scores, at::Tensor& expand,
+                   const std::optional<at::Tensor>& status);
 void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
                 const at::Tensor& cand_parents, const at::Tensor& cand_sampled,
                 const at::Tensor& root_tokens, const at::Tensor& prefix_len, at::Tensor& tokens,
                 at::Tensor& parents, at::Tensor& depth, at::Tensor& positions,
                 at::Tensor& sampled_row, at::Tensor& cand_index, at::Tensor& tree_mask,
-                at::Tensor& retrieve_indices, at::Tensor& n_leaves);
+                at::Tensor& retrieve_indices, at::Tensor& n_leaves,
+                const std::optional<at::Tensor>& status);
 
 // skinny linear (csrc/include/rheo/skinny_linear.h)
 void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
@@ -38,7 +43,8 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
                   const at::Tensor& sampled_row, const at::Tensor& q_tilde_ids,
                   const at::Tensor& q_tilde, int64_t method, double T, double top_p,
                   int64_t top_k, uint64_t seed, uint64_t step, at::Tensor& accept_path,
-                  at::Tensor& accept_len, at::Tensor& bonus_token);
+                  at::Tensor& accept_len, at::Tensor& bonus_token,
+                  const std::optional<at::Tensor>& status);
 void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
                       const at::Tensor& parents, const at::Tensor& sampled_row,
                       const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,

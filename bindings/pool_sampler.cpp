@@ -17,31 +17,14 @@ int32_t to_int32(int64_t v, const char* name) {
   return static_cast<int32_t>(v);
 }
 
-#ifdef RHEO_WITH_CUDA
-// The CUDA kernel cannot raise: a forced token that cannot be Y leaves its row without a sampled
-// slot. Rows whose pinned token did not land at slot m are reported here (tests only; syncs).
-void check_forced_cuda(const at::Tensor& forced, const at::Tensor& tokens,
-                       const at::Tensor& sampled_slot, int32_t m) {
-  const at::Tensor f = forced.cpu(), t = tokens.cpu(), s = sampled_slot.cpu();
-  const int32_t* fp = f.data_ptr<int32_t>();
-  const int32_t* tp = t.data_ptr<int32_t>();
-  const int32_t* sp = s.data_ptr<int32_t>();
-  const int64_t K = t.size(1);
-  for (int64_t r = 0; r < f.size(0); ++r)
-    RHEO_CHECK(fp[r] == -1 || (sp[r] == m && tp[r * K + m] == fp[r]), "forced_sample[", r, "] = ",
-               fp[r], " cannot be the sampled token of row ", r,
-               " (not a non-lead support token with q~ > 0, or the row has no sampled slot); "
-               "pass -1 to draw");
-}
-#endif
-
 }  // namespace
 
 void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, double T, int64_t kind,
                   uint64_t seed, uint64_t step, int64_t level,
                   const std::optional<at::Tensor>& forced_sample, at::Tensor& tokens,
                   at::Tensor& log_proxy, at::Tensor& sampled_slot, at::Tensor& q_tilde_ids,
-                  at::Tensor& q_tilde, at::Tensor& q_sampled) {
+                  at::Tensor& q_tilde, at::Tensor& q_sampled,
+                  const std::optional<at::Tensor>& status) {
   check_shape(logits, "logits", {-1, -1}, "[n, V]");
   PoolSamplerArgs a;
   a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
@@ -89,14 +72,16 @@ void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, dou
   a.q_tilde_ids = q_tilde_ids.data_ptr<int32_t>();
   a.q_tilde = q_tilde.data_ptr();
   a.q_sampled = q_sampled.data_ptr();
+  a.status = status_ptr(status, logits, "logits");
   if (a.n == 0) return;
   if (on_cuda(logits, "logits")) {
 #ifdef RHEO_WITH_CUDA
-    RHEO_CHECK(Se <= 16384, "support=", a.S, " gives Se=", Se, " > 16384, the largest ",
+    RHEO_CHECK(Se <= 2048, "support=", a.S, " gives Se=", Se, " > 2048, the largest ",
                "support the CUDA pool sampler ranks (pool_sampler.cu kMaxSupport); lower support");
     const c10::cuda::CUDAGuard guard(logits.device());
+    // No host check of the outputs (it would sync): a NaN/inf row or a forced token that
+    // cannot be Y sets kStatusNonFiniteDraft / kStatusBadForced in *status instead.
     RHEO_CUDA_CHECK(pool_sampler_cuda(a, current_stream(logits)));
-    if (forced_sample) check_forced_cuda(*forced_sample, tokens, sampled_slot, a.m);
 #endif
     return;
   }

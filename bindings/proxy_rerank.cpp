@@ -8,7 +8,8 @@
 
 namespace rheo::bind {
 
-void select_expand(const at::Tensor& scores, at::Tensor& expand) {
+void select_expand(const at::Tensor& scores, at::Tensor& expand,
+                   const std::optional<at::Tensor>& status) {
   check_shape(scores, "scores", {-1, -1}, "[B, M]");
   check_dtype(scores, "scores", at::kFloat);
   check_contiguous(scores, "scores");
@@ -26,6 +27,7 @@ void select_expand(const at::Tensor& scores, at::Tensor& expand) {
   args.M = M;
   args.topk = static_cast<int32_t>(topk);
   args.expand = expand.data_ptr<int32_t>();
+  args.status = status_ptr(status, scores, "scores");  // CUDA: a NaN score -> kStatusNanScore
   if (on_cuda(scores, "scores")) {
 #ifdef RHEO_WITH_CUDA
     const c10::cuda::CUDAGuard guard(scores.device());
@@ -41,7 +43,8 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
                 const at::Tensor& root_tokens, const at::Tensor& prefix_len, at::Tensor& tokens,
                 at::Tensor& parents, at::Tensor& depth, at::Tensor& positions,
                 at::Tensor& sampled_row, at::Tensor& cand_index, at::Tensor& tree_mask,
-                at::Tensor& retrieve_indices, at::Tensor& n_leaves) {
+                at::Tensor& retrieve_indices, at::Tensor& n_leaves,
+                const std::optional<at::Tensor>& status) {
   // Inputs: candidates [B, L] in flat order, per-entry root token and prefix length [B].
   check_shape(cand_scores, "cand_scores", {-1, -1}, "[B, L]");
   check_dtype(cand_scores, "cand_scores", at::kFloat);
@@ -96,6 +99,8 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
   args.tree_mask = tree_mask.data_ptr<uint8_t>();
   args.retrieve_indices = retrieve_indices.data_ptr<int32_t>();
   args.n_leaves = n_leaves.data_ptr<int32_t>();
+  // CUDA: an invalid entry gets n_leaves = -1 and kStatusNanScore or kStatusBadTree here.
+  args.status = status_ptr(status, cand_scores, "cand_scores");
   if (on_cuda(cand_scores, "cand_scores")) {
 #ifdef RHEO_WITH_CUDA
     const c10::cuda::CUDAGuard guard(cand_scores.device());

@@ -1,8 +1,13 @@
 // Binding of verification (csrc/include/rheo/verification.h): checks the logits, the tree, the
 // q~ table and the outputs, fills VerificationArgs and calls the CPU or CUDA kernel by device.
+// On CUDA only what the host knows is checked here (shapes, dtypes, scalars): the tree and q~
+// rules need the data, so the kernel checks them on the device and reports in *status.
 #include "binding_utils.h"
 #include "bindings.h"
 #include "rheo/verification.h"
+
+#include <ATen/ops/empty.h>
+
 
 namespace rheo::bind {
 namespace {
@@ -56,7 +61,8 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
                   const at::Tensor& sampled_row, const at::Tensor& q_tilde_ids,
                   const at::Tensor& q_tilde, int64_t method, double T, double top_p,
                   int64_t top_k, uint64_t seed, uint64_t step, at::Tensor& accept_path,
-                  at::Tensor& accept_len, at::Tensor& bonus_token) {
+                  at::Tensor& accept_len, at::Tensor& bonus_token,
+                  const std::optional<at::Tensor>& status) {
   const bool cuda = on_cuda(logits, "logits");
   VerificationArgs a =
       inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k);
@@ -72,22 +78,23 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
   a.path_capacity = accept_path.size(1);
   a.accept_len = accept_len.data_ptr<int32_t>();
   a.bonus_token = bonus_token.data_ptr<int32_t>();
+  a.status = status_ptr(status, logits, "logits");
   if (!cuda) {
     verification_cpu(a);
     return;
   }
 #ifdef RHEO_WITH_CUDA
-  // The tree rules are checked on host copies of the (small) int inputs and q~: one sync.
-  const at::Tensor h_tokens = tokens.cpu(), h_parents = parents.cpu(),
-                   h_sampled = sampled_row.cpu(), h_ids = q_tilde_ids.cpu(), h_q = q_tilde.cpu();
-  VerificationArgs host = a;
-  host.tokens = h_tokens.data_ptr<int32_t>();
-  host.parents = h_parents.data_ptr<int32_t>();
-  host.sampled_row = h_sampled.data_ptr<int32_t>();
-  host.q_tilde_ids = h_ids.data_ptr<int32_t>();
-  host.q_tilde = h_q.data_ptr();
-  verification_check_args(host);
+  // No host copy of the inputs (it would drain the stream and prevent CUDA-graph capture): a
+  // tree or q~ table that breaks the rules sets kStatusBadVerifyInput, a non-finite target
+  // logit at a visited node kStatusNonFiniteTarget, and that tree gets accept_len 1.
+  verification_check_scalars(a);  // host values only (verification_cuda checks them too)
   const c10::cuda::CUDAGuard guard(logits.device());
+  // The [B, V] float64 workspace (the nodes' stats records; see verification.cu) from torch's
+  // caching allocator (no cudaMalloc per call).
+  // Its blocks are stream-ordered: freed when this returns, reused only by later work on the
+  // same stream, so the kernel still running on it is safe.
+  const at::Tensor workspace = at::empty({a.B, a.V}, logits.options().dtype(at::kDouble));
+  a.workspace = workspace.data_ptr<double>();
   RHEO_CUDA_CHECK(verification_cuda(a, current_stream(logits)));
 #endif
 }

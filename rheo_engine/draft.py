@@ -119,10 +119,14 @@ def draft_tree(
     step: int,
     draft_to_target: torch.Tensor | None = None,
     forced: ForcedSamples | None = None,
+    status: torch.Tensor | None = None,
 ) -> DraftTree:
     """Grow ``cfg.depth`` levels below each root [B], then keep the best total_tokens - 1.
 
     ``draft_to_target`` [Vd] maps draft ids to target ids (EAGLE-3 d2t); None = identity.
+    ``status`` [1] int32 (kernels.status_word) collects the CUDA kernels' bad-input bits; the
+    step reads it once, at its end (verify.read_outcome). Nothing here reads the device: every
+    shape follows from cfg and B, so the levels can be captured in a CUDA graph.
     """
     if cfg.method == "ar":
         return root_only_tree(root_tokens, prefix_len)
@@ -131,8 +135,9 @@ def draft_tree(
     def pools(level: int, logits: torch.Tensor) -> kernels.Pool:
         forced_sample = None if forced is None else forced(level, logits)
         return kernels.pool_sampler(
-            logits, K, cfg.leads, cfg.support, temperature, kind, seed, step, level, forced_sample
-        )
+            logits, K, cfg.leads, cfg.support, temperature, kind, seed, step, level, forced_sample,
+            status=status,
+        )  # fmt: skip
 
     logits = drafter.root_logits()  # [B, Vd]
     B = logits.shape[0]
@@ -142,7 +147,8 @@ def draft_tree(
     level = _level_from_pool(pool, zeros, no_parent, 0, draft_to_target)
     levels, all_pools, rows, offset = [level], [pool], B, 0
     for depth in range(1, cfg.depth):
-        chosen = kernels.select_expand(level.scores, K).long()  # [B, K] best first = parent rank
+        # [B, K] best first = parent rank; in range even for NaN scores (status bit instead)
+        chosen = kernels.select_expand(level.scores, K, status).long()
         parent_tokens = level.tokens.gather(1, chosen)
         logits = drafter.expand(depth, chosen // K, parent_tokens)  # [B, K, Vd]
         pool = pools(depth, logits.reshape(B * K, -1))
@@ -163,13 +169,8 @@ def draft_tree(
         prefix_len.to(torch.int32).contiguous(),
         cfg.total_tokens,
         cfg.depth,
+        status,
     )
-    if tree.tree_mask.is_cuda and bool((tree.n_leaves < 0).any()):
-        # The CUDA kernels' marker for NaN scores or a non-closed tree (proxy_rerank.h).
-        raise ValueError(
-            "draft scores held NaN or did not form a tree; the draft head produced NaN/inf "
-            "logits: check its weights and dtype"
-        )
     q_ids = torch.cat([p.q_tilde_ids for p in all_pools], 0)
     if draft_to_target is not None:
         q_ids = draft_to_target[q_ids.long()].to(torch.int32)

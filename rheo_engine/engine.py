@@ -35,7 +35,7 @@ from rheo_engine.tree_policy import (
     profile_key,
     topk_choices,
 )
-from rheo_engine.verify import verify_tree
+from rheo_engine.verify import Outcome, verify_tree
 
 TREES = ("auto", "fixed")
 
@@ -86,9 +86,10 @@ class _TargetRunner:
             self.feature_layers,
         )  # fmt: skip
 
-    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict) -> None:
-        # The root and the accepted nodes, in path order (= node order, parents first).
-        n = int(verdict.accept_len[0])
+    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict, outcome: Outcome) -> None:
+        # The root and the accepted nodes, in path order (= node order, parents first): the
+        # device path, cut at the length read on the host with the rest of the step's outcome.
+        n = outcome.accept_len[0]
         self.cache.commit(verdict.accept_path[0, :n].long())
 
 
@@ -105,7 +106,7 @@ class _NoDraft:
     def prefill(self, features, next_tokens) -> None:
         pass
 
-    def commit(self, tree, verdict, features) -> None:
+    def commit(self, tree, verdict, outcome, features) -> None:
         pass
 
 
@@ -396,13 +397,17 @@ class Request:
             # costs), never from its coins or logits; see tree_policy and loop.fit_tree.
             step_cfg = ar_cfg if policy is None else policy.choose(room, wanted)
             start = time.perf_counter()
+            # Nothing between two steps reads the device: the prefix length is filled in on it
+            # (no host-to-device copy either), and the root and the tree policy's evidence come
+            # from the step's one read (loop.speculative_step).
+            prefix = torch.full((1,), cache.length, dtype=torch.int32, device=cache.k.device)
             result = speculative_step(
-                runner, drafter, root, torch.tensor([cache.length]), step_cfg, self.sampling,
-                self.seed, step, None if head is None else head.draft_to_target,
+                runner, drafter, root, prefix, step_cfg, self.sampling, self.seed, step,
+                None if head is None else head.draft_to_target,
             )  # fmt: skip
             seconds = time.perf_counter() - start
             if policy is not None:
-                policy.observe(step_cfg, result.draft.tree, result.verdict, seconds)
+                policy.observe(step_cfg, result.outcome, seconds)
             self.trees.add(step_cfg, getattr(policy, "predicted_s", None), seconds)
             times.add(result.times)
             root = result.verdict.bonus_token.long()
@@ -441,7 +446,7 @@ class Request:
 
     def _measure(self, runner, drafter, root, cache: KVCache, key: str) -> CostProfile:
         cfg, head = self.tree_cfg, self.engine.head
-        prefix = torch.tensor([cache.length])
+        prefix = torch.full((1,), cache.length, dtype=torch.int32, device=cache.k.device)
         # Coins of a step index no request reaches, so the times measured (which the trees of
         # this request depend on) share no randomness with any step.
         probe_step = 2**40
@@ -468,10 +473,10 @@ class Request:
 
     def _prefill(self, runner: _TargetRunner, drafter, cache: KVCache) -> torch.Tensor:
         """Run the target over the prompt but its last token (the first root); seed the head."""
-        ids = torch.tensor([self.prompt_ids])
+        ids = torch.tensor([self.prompt_ids], device=cache.k.device)  # [1, P], one upload
         if ids.shape[1] > 1:
             body = ids[:, :-1]
-            positions = torch.arange(body.shape[1]).unsqueeze(0)
+            positions = torch.arange(body.shape[1], device=ids.device).unsqueeze(0)
             _, features = runner.model.forward(body, positions, cache, None, runner.feature_layers)
             cache.advance(body.shape[1])
             drafter.prefill(features, ids[:, 1:])

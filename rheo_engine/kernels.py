@@ -4,6 +4,13 @@ Each function allocates its outputs, calls the kernel on the inputs' device and 
 outputs. Shapes use the letters of DESIGN.md: B batch, N tree nodes, V vocabulary, K pool slots,
 Se = min(S, V) sparse support, H/Hkv heads, D head dim. Bad input raises ``ValueError`` from the
 C++ checks, naming the value, the rule and the fix.
+
+The status word (csrc/include/rheo/common.h StatusBit). A CUDA kernel cannot raise without a
+host sync, so the kernels of a step take ``status``, a [1] int32 word on their device
+(``status_word``): on bad input a CUDA kernel ORs a bit into it, writes outputs that keep the
+later kernels in bounds and goes on; the step reads the word once, with its verdict, and
+``raise_status`` raises the error the CPU kernel would have raised. The CPU kernels raise at
+once and leave the word alone.
 """
 
 from __future__ import annotations
@@ -41,6 +48,70 @@ def _lookup(table: dict[str, int], value: str, what: str) -> int:
     return table[value]
 
 
+# --- the status word ---------------------------------------------------------------------
+
+# The bits of common.h StatusBit, in step order.
+NON_FINITE_DRAFT = 1  # pool sampler: a NaN/inf draft logit
+BAD_FORCED = 2  # pool sampler: a forced token that cannot be Y
+NAN_SCORE = 4  # select_expand / build_tree: a NaN path score
+BAD_TREE = 8  # build_tree: parents, ancestor closure, depth or prefix_len
+NON_FINITE_TARGET = 16  # verification: a NaN/inf target logit at a visited node
+BAD_VERIFY_INPUT = 32  # verification: the tree or the q~ table breaks its rules
+# Bit -> the rule and fix of the error the CPU kernel raises for that input (the word has no
+# room for the offending value: the CPU kernels on the same input name it).
+STATUS_ERRORS = {
+    NON_FINITE_DRAFT: (
+        "the draft logits must be finite (a NaN/inf draft logit); drop masked tokens from the "
+        "vocabulary instead of setting them to -inf"
+    ),
+    BAD_FORCED: (
+        "forced_sample holds a token that cannot be the sampled token of its row (not a "
+        "non-lead support token with q~ > 0); pass -1 to draw, or a non-lead support token "
+        "with q~ > 0"
+    ),
+    NAN_SCORE: (
+        "draft scores hold NaN; scores must be sums of log proxies (finite or -inf); check the "
+        "draft's log_proxy (the draft head produced NaN logits: check its weights and dtype)"
+    ),
+    BAD_TREE: (
+        "the draft candidates do not form a tree (a parent after its child, a child outscoring "
+        "its parent, a node deeper than depth= or a negative prefix_len); scores must be sums "
+        "of log proxies <= 0: concatenate the levels root-side first and pass the levels drafted"
+    ),
+    NON_FINITE_TARGET: (
+        "target logits must be finite at every visited node; check the target model output "
+        "(masked tokens must be large negative numbers, not -inf; fp16 overflow: try bfloat16)"
+    ),
+    BAD_VERIFY_INPUT: (
+        "the tree or the q~ table breaks verification's rules (parents precede their nodes, "
+        "tokens and q~ ids in [0, V), at most one sampled child per parent, a sampled token in "
+        "its support with q~ > 0, path_capacity >= depth + 1); lay the tree out with build_tree"
+    ),
+}
+
+
+def status_word(device: torch.device | str) -> torch.Tensor:
+    """A zeroed status word [1] int32 on ``device``, for the kernels of one step."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def raise_status(bits: int) -> None:
+    """Raise the ValueError a CPU kernel raises for the first bit set in ``bits`` (the status
+    word read on the host); nothing for 0. Other bits set are named after it."""
+    if bits == 0:
+        return
+    known = [bit for bit in STATUS_ERRORS if bits & bit]
+    unknown = bits & ~sum(STATUS_ERRORS)
+    if not known:
+        raise RuntimeError(
+            f"status={bits:#x} holds no known bit (common.h StatusBit); rebuild rheo_engine._C "
+            "together with rheo_engine"
+        )
+    more = [f"{bit:#x}" for bit in known[1:]] + ([f"{unknown:#x}"] if unknown else [])
+    also = f" (status={bits:#x}: bits {', '.join(more)} are set too)" if more else ""
+    raise ValueError(STATUS_ERRORS[known[0]] + also)
+
+
 # --- pool sampler -------------------------------------------------------------------------
 
 
@@ -67,10 +138,12 @@ def pool_sampler(
     step: int = 0,
     level: int = 0,
     forced_sample: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
 ) -> Pool:
     """Build the pool of every row of ``logits`` [n, V] (fp32/bf16/fp16/fp64).
 
     ``forced_sample`` [n] int32 (-1 = draw) pins the sampled token, for exact enumeration.
+    ``status`` [1] int32 (CUDA): a NaN/inf row or an impossible forced token sets a bit there.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [n, V], got shape {list(logits.shape)}")
@@ -89,7 +162,7 @@ def pool_sampler(
     _C.pool_sampler(
         logits, K, m, S, float(T), _lookup(_POOL_KINDS, kind, "kind"), seed, step, level,
         forced_sample, out.tokens, out.log_proxy, out.sampled_slot, out.q_tilde_ids,
-        out.q_tilde, out.q_sampled,
+        out.q_tilde, out.q_sampled, status,
     )  # fmt: skip
     return out
 
@@ -97,8 +170,12 @@ def pool_sampler(
 # --- proxy rerank -------------------------------------------------------------------------
 
 
-def select_expand(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Indices [B, topk] int32 of the best ``topk`` of ``scores`` [B, M] (tie rule), best first."""
+def select_expand(
+    scores: torch.Tensor, topk: int, status: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Indices [B, topk] int32 of the best ``topk`` of ``scores`` [B, M] (tie rule), best first.
+
+    ``status`` [1] int32 (CUDA): a NaN score sets a bit there (that row gets 0..topk-1)."""
     if scores.dim() != 2:
         raise ValueError(f"scores must be [B, M], got shape {list(scores.shape)}")
     if not 1 <= topk <= scores.shape[1]:
@@ -107,7 +184,7 @@ def select_expand(scores: torch.Tensor, topk: int) -> torch.Tensor:
             "lower topk"
         )
     expand = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=scores.device)
-    _C.select_expand(scores, expand)
+    _C.select_expand(scores, expand, status)
     return expand
 
 
@@ -135,8 +212,12 @@ def build_tree(
     prefix_len: torch.Tensor,
     total_tokens: int,
     depth: int,
+    status: torch.Tensor | None = None,
 ) -> Tree:
-    """Keep the global top-(total_tokens - 1) candidates [B, L] and lay out the tree."""
+    """Keep the global top-(total_tokens - 1) candidates [B, L] and lay out the tree.
+
+    ``status`` [1] int32 (CUDA): an entry whose candidates hold NaN or form no tree sets a bit
+    there (and gets n_leaves -1)."""
     if cand_scores.dim() != 2:
         raise ValueError(f"cand_scores must be [B, L], got shape {list(cand_scores.shape)}")
     B, L = cand_scores.shape
@@ -162,7 +243,7 @@ def build_tree(
     _C.build_tree(
         cand_scores, cand_tokens, cand_parents, cand_sampled, root_tokens, prefix_len,
         tree.tokens, tree.parents, tree.depth, tree.positions, tree.sampled_row,
-        tree.cand_index, tree.tree_mask, tree.retrieve_indices, tree.n_leaves,
+        tree.cand_index, tree.tree_mask, tree.retrieve_indices, tree.n_leaves, status,
     )  # fmt: skip
     return tree
 
@@ -245,8 +326,12 @@ def verification(
     seed: int = 0,
     step: int = 0,
     path_capacity: int | None = None,
+    status: torch.Tensor | None = None,
 ) -> Verdict:
-    """Walk B trees with target ``logits`` [B, N, V]; q~ table [R, Se] for the sampled nodes."""
+    """Walk B trees with target ``logits`` [B, N, V]; q~ table [R, Se] for the sampled nodes.
+
+    ``status`` [1] int32 (CUDA): a tree or q~ table that breaks the rules, or a non-finite
+    target logit at a visited node, sets a bit there (and that tree gets accept_len 1)."""
     B, N, _ = _check_tree_inputs(logits)
     P = N if path_capacity is None else path_capacity
     dev = logits.device
@@ -258,7 +343,7 @@ def verification(
     _C.verification(
         logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
         _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, seed, step,
-        out.accept_path, out.accept_len, out.bonus_token,
+        out.accept_path, out.accept_len, out.bonus_token, status,
     )  # fmt: skip
     return out
 

@@ -77,7 +77,10 @@ class KVCache:
             raise ValueError(
                 f"keep must be [k] or [B={self.batch}, k] row offsets, got {list(keep.shape)}"
             )
-        self.check_room(int(keep.max()) + 1 if k else 0)
+        # No look at keep's values (that would read the device once per step): the rows they
+        # name were written, and checked for room, by the forward being committed; an index past
+        # the cache fails the indexing below.
+        self.check_room(k)
         lo, hi = self.length, self.length + k
         if keep.dim() == 1:
             # Advanced indexing copies first, so overlapping source/target rows are safe.

@@ -20,7 +20,7 @@ import torch
 from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.draft import Drafter, DraftTree, draft_tree
-from rheo_engine.verify import emitted_tokens, verify_tree
+from rheo_engine.verify import Outcome, read_outcome, verify_tree
 
 
 class TargetModel(Protocol):
@@ -29,17 +29,23 @@ class TargetModel(Protocol):
         and the features [B, N, F] the drafter consumes (None for a drafter that needs none)."""
         ...
 
-    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict) -> None:
-        """Keep the accepted nodes (root included) in the target's state, drop the rest."""
+    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict, outcome: Outcome) -> None:
+        """Keep the accepted nodes (root included) in the target's state, drop the rest.
+        ``outcome`` is the verdict's host copy (lengths, paths): read it, not the device."""
         ...
 
 
 class DraftModel(Drafter, Protocol):
     def commit(
-        self, tree: kernels.Tree, verdict: kernels.Verdict, features: torch.Tensor | None
+        self,
+        tree: kernels.Tree,
+        verdict: kernels.Verdict,
+        outcome: Outcome,
+        features: torch.Tensor | None,
     ) -> None:
         """Advance the drafter past the accepted nodes (the target's ``features`` at the tree
-        nodes come along); the bonus token becomes the next root."""
+        nodes come along); the bonus token becomes the next root. As for the target, host
+        values come from ``outcome``."""
         ...
 
 
@@ -98,8 +104,8 @@ class StepTimes:
     draft_s: float = 0.0  # tree building: pool sampler, rerank, tree layout (no forwards)
     head_s: float = 0.0  # draft model forwards (tree levels, and the commit's new pairs)
     target_s: float = 0.0  # the target forward over the tree
-    verify_s: float = 0.0  # the verification kernel
-    commit_s: float = 0.0  # target KV compaction, emitted tokens
+    verify_s: float = 0.0  # the verification kernel and the step's one host read
+    commit_s: float = 0.0  # target KV compaction
 
     def add(self, other: StepTimes) -> None:
         for name in ("draft_s", "head_s", "target_s", "verify_s", "commit_s"):
@@ -114,9 +120,14 @@ class StepTimes:
 @dataclass
 class StepResult:
     draft: DraftTree
-    verdict: kernels.Verdict
-    emitted: list[list[int]]  # per batch entry: accepted tokens then the bonus token
+    verdict: kernels.Verdict  # on the device
+    outcome: Outcome  # its host copy, read once
     times: StepTimes
+
+    @property
+    def emitted(self) -> list[list[int]]:
+        """Per batch entry: accepted tokens then the bonus token."""
+        return self.outcome.emitted
 
 
 class _TimedDrafter:
@@ -161,22 +172,31 @@ def speculative_step(
     step: int,
     draft_to_target: torch.Tensor | None = None,
 ) -> StepResult:
-    """One step for B sequences: draft a tree per root, verify it, accept, commit."""
+    """One step for B sequences: draft a tree per root, verify it, accept, commit.
+
+    The step reads the device once (issue 10 §3): drafting, the target forward and verification
+    run with no host read, their shapes fixed by ``cfg`` and the cache length, both known on the
+    host before the step (what a CUDA-graph capture needs); their kernels report bad input in
+    one status word, read with the verdict by read_outcome; the commits and the emitted tokens
+    then use that host copy.
+    """
     clock, times, timed = _Clock(), StepTimes(), _TimedDrafter(drafter)
+    status = kernels.status_word(root_tokens.device)  # [1] int32, the step's kernels OR into it
     dt = draft_tree(
-        timed, root_tokens, prefix_len, cfg, sampling.temperature, seed, step, draft_to_target
-    )
+        timed, root_tokens, prefix_len, cfg, sampling.temperature, seed, step, draft_to_target,
+        status=status,
+    )  # fmt: skip
     times.draft_s = clock.lap() - timed.elapsed
     logits, features = target.forward_tree(dt.tree)
     times.target_s = clock.lap()
-    verdict = verify_tree(logits, dt, cfg.method, sampling, seed, step)
+    verdict = verify_tree(logits, dt, cfg.method, sampling, seed, step, status)
+    outcome = read_outcome(dt.tree, verdict, status)  # the step's one host read; raises on bad
     times.verify_s = clock.lap()
-    drafter.commit(dt.tree, verdict, features)
+    drafter.commit(dt.tree, verdict, outcome, features)
     times.head_s = timed.elapsed + clock.lap()
-    target.commit(dt.tree, verdict)
-    emitted = emitted_tokens(dt.tree, verdict)
+    target.commit(dt.tree, verdict, outcome)
     times.commit_s = clock.lap()
-    return StepResult(dt, verdict, emitted, times)
+    return StepResult(dt, verdict, outcome, times)
 
 
 @dataclass

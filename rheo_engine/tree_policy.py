@@ -1,7 +1,8 @@
 """Which tree each step drafts (DESIGN.md §2.4): a fixed tree, or the measured cost model.
 
-A policy answers ``choose(room, wanted)`` before a step and ``observe(cfg, tree, verdict,
-seconds)`` after it. ``FixedTree`` is the paper's tree cut to the context (loop.fit_tree).
+A policy answers ``choose(room, wanted)`` before a step and ``observe(cfg, outcome, seconds)``
+after it (``outcome``: the step's verdict as read on the host, verify.Outcome). ``FixedTree`` is
+the paper's tree cut to the context (loop.fit_tree).
 ``AutoTree`` (``tree="auto"``, the default) maximises predicted tokens per second:
 
     rate(D, N) = (1 + E[accepted | D, N]) / (step(D, N))      and     rate(plain) = 1 / plain
@@ -46,9 +47,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from rheo_engine import kernels
 from rheo_engine.config import TreeConfig
 from rheo_engine.loop import fit_tree
+from rheo_engine.verify import Outcome
 
 # Tree sizes the cost model considers (clipped to total_tokens) and where it times forwards.
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
@@ -60,10 +61,8 @@ class TreePolicy(Protocol):
         """The tree of the next step: ``room`` free context rows, ``wanted`` tokens still due."""
         ...
 
-    def observe(
-        self, cfg: TreeConfig, tree: kernels.Tree, verdict: kernels.Verdict, seconds: float
-    ) -> None:
-        """What the step drafted and accepted, and its wall time."""
+    def observe(self, cfg: TreeConfig, outcome: Outcome, seconds: float) -> None:
+        """What the step drafted and accepted (host values: the step's one read), its time."""
         ...
 
 
@@ -104,7 +103,7 @@ class FixedTree:
     def choose(self, room: int, wanted: int) -> TreeConfig:
         return fit_tree(self.cfg, room, wanted)
 
-    def observe(self, cfg, tree, verdict, seconds) -> None:
+    def observe(self, cfg, outcome, seconds) -> None:
         pass
 
 
@@ -355,15 +354,16 @@ class AutoTree:
             self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
         )
 
-    def observe(self, cfg, tree, verdict, seconds) -> None:
+    def observe(self, cfg, outcome, seconds) -> None:
         if tree_shape(cfg) == (0, 1):
             for st in self.stats.values():
                 st.fade()
             return
-        depths = tree.depth[0, 1:].cpu().numpy()
+        # Host lists from the step's one read: the policy never reads the device.
+        depths = np.array(outcome.depth[0][1:])
         accepted = np.zeros(len(depths))
-        n = int(verdict.accept_len[0])
-        path = verdict.accept_path[0, 1:n].cpu().numpy()  # node indices past the root
+        n = outcome.accept_len[0]
+        path = np.array(outcome.accept_path[0][1:n], dtype=np.int64)  # nodes past the root
         accepted[path - 1] = 1.0
         for k, st in self.stats.items():
             if k == cfg.topk:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from rheo_engine.draft import DraftTree, draft_tree, pool_kind
 from rheo_engine.loop import decode
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
 from rheo_engine.tree_policy import AutoTree, CostProfile
-from rheo_engine.verify import verify_law
+from rheo_engine.verify import Outcome, read_outcome, verify_law
 
 METHODS = ("topk", "rrsw", "rheo")
 
@@ -290,8 +289,9 @@ def _break_proxy(monkeypatch, mode: str) -> None:
     """Negative control: give the sampled child a proxy that depends on Y or ranks below fills."""
     real = kernels.pool_sampler
 
-    def broken(logits, K, m, S, T, kind="rheo", seed=0, step=0, level=0, forced_sample=None):
-        pool = real(logits, K, m, S, T, kind, seed, step, level, forced_sample)
+    def broken(logits, K, m, S, T, kind="rheo", seed=0, step=0, level=0, forced_sample=None,
+               status=None):  # fmt: skip
+        pool = real(logits, K, m, S, T, kind, seed, step, level, forced_sample, status)
         rows = torch.nonzero(pool.sampled_slot >= 0).flatten()
         slots = pool.sampled_slot[rows].long()
         if mode == "q_of_y":  # q_proxy = q(Y): survival now depends on which Y was drawn
@@ -362,8 +362,9 @@ def tree_outcomes(target, drafter_table, history, cfg, sampling):
     return out
 
 
-def verdict_of(tree: kernels.Tree, seq: tuple[int, ...]) -> SimpleNamespace:
-    """The accepted path of ``tree`` that emitted ``seq`` (siblings carry distinct tokens)."""
+def outcome_of(tree: kernels.Tree, seq: tuple[int, ...]) -> Outcome:
+    """The outcome of ``tree`` that emitted ``seq`` (siblings carry distinct tokens), as the
+    step reads it."""
     tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
     path = [0]
     for t in seq[:-1]:
@@ -371,7 +372,10 @@ def verdict_of(tree: kernels.Tree, seq: tuple[int, ...]) -> SimpleNamespace:
             next(i for i in range(len(tokens)) if parents[i] == path[-1] and tokens[i] == t)
         )
     accept_path = torch.tensor([path + [-1] * (len(tokens) - len(path))], dtype=torch.int32)
-    return SimpleNamespace(accept_len=torch.tensor([len(path)]), accept_path=accept_path)
+    i32 = dict(dtype=torch.int32)
+    verdict = kernels.Verdict(accept_path, torch.tensor([len(path)], **i32),
+                              torch.tensor([seq[-1]], **i32))  # fmt: skip
+    return read_outcome(tree, verdict)
 
 
 def two_step_law_error(target, drafter_table, history, first, policy_for, sampling, J) -> float:
@@ -413,7 +417,7 @@ def test_tree_chosen_from_history_is_lossless(method):
         policy = AutoTree(bound, _profile())
         for stats in policy.stats.values():
             stats.prior_weight = 0.05  # let one step's evidence dominate
-        policy.observe(first, dt.tree, verdict_of(dt.tree, seq), 1.0)
+        policy.observe(first, outcome_of(dt.tree, seq), 1.0)
         return policy.choose(room=100, wanted=100)
 
     for history in ([0], [3]):

@@ -119,9 +119,9 @@ def test_select_expand_bad_input():
     with pytest.raises(ValueError, match="contiguous"):
         kernels.select_expand(torch.zeros(3, 2).t(), 1)
     with pytest.raises(ValueError, match=r"expand must have dtype Int"):
-        kernels._C.select_expand(torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64))
+        kernels._C.select_expand(torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64), None)
     with pytest.raises(ValueError, match=r"expand must be \[B, topk\]"):
-        kernels._C.select_expand(torch.zeros(2, 3), torch.zeros(3, 2, dtype=torch.int32))
+        kernels._C.select_expand(torch.zeros(2, 3), torch.zeros(3, 2, dtype=torch.int32), None)
 
 
 # --- build_tree: literal trees ------------------------------------------------------------

@@ -3,8 +3,6 @@ engine. Losslessness of a history-dependent tree is proven in test_lossless.py (
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,7 @@ from rheo_engine.tree_policy import (
     TreeUsage,
     profile_key,
 )
+from rheo_engine.verify import Outcome
 
 BOUND = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
 
@@ -53,21 +52,21 @@ def test_deeper_than_grown_is_not_evidence():
     assert stats.counts[2].tolist() == [0, 0]  # a depth-3 tree was never grown
 
 
-DEPTHS = torch.tensor([[0] + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3], dtype=torch.int32)
-FAKE_TREE = SimpleNamespace(depth=DEPTHS)  # 16 nodes in rank order, 4 per depth
+DEPTHS = [0] + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3  # 16 nodes in rank order, 4 per depth
 GROWN = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
 
 
-def verdict(path: list[int]) -> SimpleNamespace:
-    accept_path = torch.tensor([[0, *path] + [-1] * (16 - 1 - len(path))], dtype=torch.int32)
-    return SimpleNamespace(accept_len=torch.tensor([1 + len(path)]), accept_path=accept_path)
+def outcome(path: list[int]) -> Outcome:
+    """A step of the GROWN tree that accepted ``path`` (node indices), as read on the host."""
+    accept_path = [0, *path] + [-1] * (16 - 1 - len(path))
+    return Outcome([1 + len(path)], [0], [accept_path], [[0] * 16], [DEPTHS], 0)
 
 
 def trained(prof: CostProfile, path: list[int], steps: int = 10) -> AutoTree:
     """A policy that has seen ``steps`` topk-4 trees accept ``path`` (node indices)."""
     policy = AutoTree(BOUND, prof)
     for _ in range(steps):
-        policy.observe(GROWN, FAKE_TREE, verdict(path), 1.0)
+        policy.observe(GROWN, outcome(path), 1.0)
     return policy
 
 
@@ -100,10 +99,10 @@ def test_acceptance_moves_the_choice():
     big = policy.choose(100, 100)
     assert big.method == "rheo" and big.depth >= 3
     for _ in range(30):
-        policy.observe(GROWN, FAKE_TREE, verdict([]), 1.0)
+        policy.observe(GROWN, outcome([]), 1.0)
     assert policy.choose(100, 100).method == "ar"
     for _ in range(200):
-        policy.observe(TreeConfig("ar"), None, None, 1.0)  # plain steps: evidence fades
+        policy.observe(TreeConfig("ar"), None, 1.0)  # plain steps: evidence fades
     assert "rheo" in [policy.choose(100, 100).method for _ in range(policy.probe_every)]
 
 
@@ -202,7 +201,7 @@ def test_plain_steps_probe_speculation_now_and_then():
         cfg = policy.choose(100, 100)
         if cfg.method != "ar":
             drafted.append(step)
-        policy.observe(TreeConfig("ar"), None, None, 1.0)  # (the probe's outcome is not fed)
+        policy.observe(TreeConfig("ar"), None, 1.0)  # (the probe's outcome is not fed)
     assert drafted[:4] == [7, 23, 55, 119]
 
 

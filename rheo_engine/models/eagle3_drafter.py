@@ -18,6 +18,7 @@ import torch
 
 from rheo_engine import kernels
 from rheo_engine.models.eagle3 import Eagle3Head
+from rheo_engine.verify import Outcome
 
 
 class Eagle3Drafter:
@@ -158,24 +159,30 @@ class Eagle3Drafter:
                 f"expand(level={level}) after level {self._level}: call root_logits() and then "
                 "levels 1, 2, ... in order"
             )
-        B, n_parents = self.batch, self._frontier_h.shape[1]
+        B = self.batch
         if tokens.dim() != 2 or tokens.shape[0] != B or parent_rank.shape != tokens.shape:
             raise ValueError(
                 f"parent_rank and tokens must both be [B={B}, topk], got "
                 f"{list(parent_rank.shape)} and {list(tokens.shape)}"
             )
-        if len(parent_rank) and (parent_rank.min() < 0 or parent_rank.max() >= n_parents):
-            raise ValueError(
-                f"parent_rank must index the {n_parents} nodes expanded at level {level - 1}, "
-                f"got values in [{int(parent_rank.min())}, {int(parent_rank.max())}]"
-            )
+        # parent_rank's values are not checked here: that would read the device at every level.
+        # draft_tree's come from select_expand (in range even for NaN scores); a rank outside
+        # the nodes expanded at level - 1 fails the gather in expand ("index ... is out of
+        # bounds" on the CPU, a device-side assert on a GPU).
 
     @torch.no_grad()
     def commit(
-        self, tree: kernels.Tree, verdict: kernels.Verdict, features: torch.Tensor | None
+        self,
+        tree: kernels.Tree,
+        verdict: kernels.Verdict,
+        outcome: Outcome,
+        features: torch.Tensor | None,
     ) -> None:
         """Append the pairs (features [B, N, F] of the root and accepted nodes, the accepted
-        tokens after the root then the bonus token); the tree's scratch K/V is dropped."""
+        tokens after the root then the bonus token); the tree's scratch K/V is dropped.
+
+        The accepted length comes from ``outcome`` (the step's one host read); the paths,
+        tokens and features are gathered on the device."""
         if features is None:
             raise ValueError(
                 "the EAGLE-3 drafter needs the target's features at the tree nodes; run the "
@@ -187,13 +194,13 @@ class Eagle3Drafter:
             self._pending_rows += 1
             self._level = -1
             return
-        lens = verdict.accept_len.long()
-        if bool((lens != lens[0]).any()):
+        lens = outcome.accept_len
+        if any(n != lens[0] for n in lens):
             raise ValueError(
-                f"accept_len={lens.tolist()} differs across the batch; the head's cache keeps one "
+                f"accept_len={lens} differs across the batch; the head's cache keeps one "
                 "length for all sequences, so run batched EAGLE-3 drafting with batch=1"
             )
-        n = int(lens[0])
+        n = lens[0]
         path = verdict.accept_path[:, :n].long().to(features.device)  # [B, n] root first
         B, _, F_in = features.shape
         feats = features.gather(1, path.unsqueeze(2).expand(B, n, F_in))  # [B, n, F]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rheo_engine import kernels
+from rheo_engine.verify import Outcome
 
 
 class NGramTable:
@@ -86,7 +87,10 @@ class NGramTarget:
     def forward_tree(self, tree: kernels.Tree) -> tuple[torch.Tensor, None]:
         return self.table(node_contexts(tree, self.history)).contiguous(), None
 
-    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict) -> None:
+    def commit(
+        self, tree: kernels.Tree, verdict: kernels.Verdict, outcome: Outcome | None = None
+    ) -> None:
+        # On the device from the verdict alone: the host copy (outcome) is not needed.
         self.history = advance_history(self.history, tree, verdict)
 
 
@@ -109,5 +113,11 @@ class NGramDraft:
         self._expanded = ctx
         return self.table(ctx).contiguous()
 
-    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict, features: None = None) -> None:
+    def commit(
+        self,
+        tree: kernels.Tree,
+        verdict: kernels.Verdict,
+        outcome: Outcome | None = None,
+        features: None = None,
+    ) -> None:
         self.history = advance_history(self.history, tree, verdict)
