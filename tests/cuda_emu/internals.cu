@@ -2,7 +2,8 @@
 // the .cu itself, so its internal functions (anonymous namespace) can be launched one at a time.
 // Each test is one of issue 10's review defects and failed on the code before its fix:
 //   top_p_boundaries      defect 4: sub-bins summed a few ulps short of their parent bin ended
-//                         the radix search with no bin, and top-p kept all V tokens;
+//                         the radix search with no bin, and top-p kept all V tokens (the
+//                         masses are integers now; the rows on a bin boundary stay);
 //   no_resum_on_zero      defect 5: a rejected child of weight 0 re-summed Z (the CPU does not);
 //   draw_without_mass     defect 5: the final draw returned -1 with no mass left (the CPU: 0);
 //   caller_workspace      defect 6: verification_cuda allocated B x V doubles per call with
@@ -10,6 +11,7 @@
 #include "../../csrc/cuda/verification.cu"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <cstdio>
 #include <numeric>
@@ -27,51 +29,67 @@ int failures = 0;
     }                                                                           \
   } while (0)
 
+// Row processing of one fp64 row (row_stats), then p's weight at every token (0 = cut).
 __global__ void top_p_kernel(rheo::VerificationArgs a, double* w) {
-  __shared__ rheo::Shared sh;
-  rheo::apply_top_p(a, w, sh);
+  __shared__ rheo::RowShared sh;
+  rheo::row_stats<rheo::F64Row>(a, 0, sh);
+  const double* x = static_cast<const double*>(a.logits);
+  for (int64_t v = threadIdx.x; v < a.V; v += rheo::kThreads)
+    w[v] = rheo::target_weight<rheo::F64Row>(sh.st, x, v, a.T, 1.0f);
 }
 
-// Rows of random p (with runs of equal values) and top_p set exactly on a cumulative mass of the
-// sorted row, where summing in another order decides. The kept set must be the first k tokens of
-// (p desc, id asc) with k within one of the float64 rule's count (a rounding boundary).
+// The walk kernel's order-preserving key of an fp64 value (verification.cu key64).
+uint64_t key_of(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  if ((u << 1) == 0) u = 0;
+  return (u >> 63) ? ~u : (u | (1ull << 63));
+}
+
+// Rows of random p (with runs of equal values and zeros) given as fp64 logits log p (zeros as
+// -1e4, below the underflow cut), and top_p set exactly on a cumulative mass of the sorted row at
+// the end of a radix bin of a random level, where the sub-bins' sums decide. The kept set must be
+// the first k tokens of (p desc, id asc) with k within one of the float64 rule's count (a rounding
+// boundary). The radix masses are integers now, so sub-bins add up to their parent bin exactly;
+// with sums in double they could fall a few ulps short, no bin was found and top-p kept all V.
 void top_p_boundaries() {
   std::mt19937_64 rng(7);
   int cases = 0, off_by_one = 0;
   for (int trial = 0; trial < 300; ++trial) {
     const int64_t V = 40 + static_cast<int64_t>(rng() % 200);
-    std::vector<double> p(V);
-    double total = 0.0;
-    for (auto& x : p) {
+    std::vector<double> x(V), e(V);
+    for (auto& v : x) {
       const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      x = u < 0.3 ? 0.125 : u < 0.35 ? 0.0 : u * u * u;  // ties, zeros and a spread
-      total += x;
+      v = u < 0.3 ? std::log(0.125) : u < 0.35 ? -1e4 : std::log(u * u * u);  // ties, zeros, a spread
     }
-    for (auto& x : p) x /= total;
+    const double m = *std::max_element(x.begin(), x.end());
+    double total = 0.0;
+    for (int64_t v = 0; v < V; ++v) {
+      e[v] = x[v] - m >= -700.0 ? std::exp(x[v] - m) : 0.0;  // the kernel's weight
+      total += e[v];
+    }
     std::vector<int32_t> order(V);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
-    // The cut right after the last token of a radix bin (of a random level): there the sub-bins
-    // of the next level, summed in another order, can fall a few ulps short of their parent.
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return e[a] > e[b]; });
+    // The cut right after the last token of a radix bin of the logit keys (of a random level).
     const int level = static_cast<int>(rng() % 4), shift = 56 - 8 * level;
     int64_t j = 1 + static_cast<int64_t>(rng() % (V / 2));
-    const auto bin = [&](int64_t i) {
-      uint64_t bits;
-      std::memcpy(&bits, &p[order[i]], 8);
-      return bits >> shift;
-    };
-    while (j < V && p[order[j]] > 0.0 && bin(j) == bin(j - 1)) ++j;
+    const auto bin = [&](int64_t i) { return key_of(x[order[i]]) >> shift; };
+    while (j < V && e[order[j]] > 0.0 && bin(j) == bin(j - 1)) ++j;
     double top_p = 0.0;
-    for (int64_t i = 0; i < j; ++i) top_p += p[order[i]];
+    for (int64_t i = 0; i < j; ++i) top_p += e[order[i]] / total;
     if (!(top_p < 1.0)) continue;
     // The rule in float64 (csrc/include/rheo/verification.h): keep while the mass before < top_p.
     int64_t want = 0;
     double before = 0.0;
-    while (want < V && p[order[want]] > 0.0 && before < top_p) before += p[order[want++]];
+    while (want < V && e[order[want]] > 0.0 && before < top_p) before += e[order[want++]] / total;
     rheo::VerificationArgs a;
-    a.V = V;
+    a.logits = x.data();
+    a.dtype = rheo::DType::kFloat64;
+    a.B = 1, a.N = 1, a.V = V;
+    a.T = 1.0;
     a.top_p = top_p;
-    std::vector<double> w = p;
+    std::vector<double> w(V, -1.0);
     top_p_kernel RHEO_LAUNCH(1, rheo::kThreads, 0, nullptr)(a, w.data());
     CHECK(cudaGetLastError() == cudaSuccess);
     int64_t kept = 0;
@@ -89,50 +107,82 @@ void top_p_boundaries() {
               off_by_one);
 }
 
-__global__ void plain_rejection_kernel(rheo::VerificationArgs a, double* w, double z, double* out) {
-  __shared__ rheo::Shared sh;
-  __shared__ int32_t order[4];
-  if (threadIdx.x == 0) sh.Z = z, sh.nnz = 3;
+constexpr int kHashBits = 5;
+
+// One fp64 tree (logits [1, N, V]) entered at the root with its stats computed in the walk.
+__global__ void plain_rejection_kernel(rheo::VerificationArgs a, double z_scale, double* out) {
+  RHEO_DYNAMIC_SHARED(double, dyn);
+  __shared__ rheo::WalkShared sh;
+  const rheo::Residual r = rheo::carve_residual(dyn, a, kHashBits);
+  if (threadIdx.x == 0) sh.dirty = 1;
   __syncthreads();
-  const int32_t child = rheo::run_layer(a, 0, 0, w, order, sh);
-  if (threadIdx.x == 0) out[0] = child, out[1] = sh.Z;
+  rheo::begin_node<rheo::F64Row>(a, 0, 0, nullptr, r, sh);
+  if (threadIdx.x == 0) sh.Z = z_scale * sh.st.z;
+  __syncthreads();
+  const int32_t child = rheo::run_layer<rheo::F64Row>(a, 0, 0, r, sh);
+  if (threadIdx.x == 0) out[0] = child, out[1] = sh.Z, out[2] = z_scale * sh.st.z;
 }
 
 // A root whose only child has weight 0 while the tracked Z sits below the re-sum threshold: the
 // rejection changes nothing, so Z must stay as it is (the CPU re-sums only when r changed).
 void no_resum_on_zero() {
   const int64_t V = 8;
-  std::vector<double> w = {0.0, 0.2, 0.3, 0.5, 0, 0, 0, 0};
+  const std::vector<double> logits = {-1e4, std::log(0.2), std::log(0.3), std::log(0.5),
+                                      -1e4, -1e4, -1e4, -1e4, /* node 1 */ 0, 0, 0, 0, 0, 0, 0, 0};
   const std::vector<int32_t> tokens = {0, 0}, parents = {-1, 0}, sampled = {-1, -1};
   rheo::VerificationArgs a;
+  a.logits = logits.data();
+  a.dtype = rheo::DType::kFloat64;
   a.B = 1, a.N = 2, a.V = V;
   a.tokens = tokens.data();
   a.parents = parents.data();
   a.sampled_row = sampled.data();
   a.method = rheo::VerifyMethod::kTopK;
-  std::vector<double> out(2, -7.0);
-  plain_rejection_kernel RHEO_LAUNCH(1, rheo::kThreads, 0, nullptr)(a, w.data(), 5e-7, out.data());
+  std::vector<double> out(3, -7.0);
+  plain_rejection_kernel RHEO_LAUNCH(1, rheo::kThreads, rheo::walk_smem_bytes(2, 0, kHashBits),
+                                     nullptr)(a, 5e-7, out.data());
   CHECK(cudaGetLastError() == cudaSuccess);
-  CHECK(out[0] == -1.0);  // the weight-0 child is rejected
-  CHECK(out[1] == 5e-7);  // and Z is left alone
+  CHECK(out[0] == -1.0);    // the weight-0 child is rejected
+  CHECK(out[1] == out[2]);  // and Z is left alone
 }
 
-__global__ void draw_kernel(rheo::VerificationArgs a, const double* w, int32_t* out) {
-  __shared__ rheo::Shared sh;
-  const int32_t token = rheo::draw_from(a, w, 0.5, sh);
+// The final draw at the root of a one-node fp64 tree, after zeroing `zero_token` (-1: none).
+__global__ void draw_kernel(rheo::VerificationArgs a, int32_t zero_token, int32_t* out) {
+  RHEO_DYNAMIC_SHARED(double, dyn);
+  __shared__ rheo::WalkShared sh;
+  const rheo::Residual r = rheo::carve_residual(dyn, a, kHashBits);
+  if (threadIdx.x == 0) sh.dirty = 1;
+  __syncthreads();
+  rheo::begin_node<rheo::F64Row>(a, 0, 0, nullptr, r, sh);
+  if (zero_token >= 0 && threadIdx.x == 0) {
+    rheo::hash_insert(r, zero_token, rheo::kZeroed);
+    sh.dirty = 1;
+  }
+  __syncthreads();
+  const int32_t token = rheo::draw_from<rheo::F64Row>(a, 0, 0, 0.5, r, sh);
   if (threadIdx.x == 0) *out = token;
 }
 
+// All of p's mass on token 123; with it removed the residual has no mass and the draw must give
+// token 0 as the CPU does (it used to give -1).
 void draw_without_mass() {
+  const int64_t V = 300;
+  std::vector<double> logits(V, -1e4);
+  logits[123] = 0.0;
+  const std::vector<int32_t> tokens = {0}, parents = {-1}, sampled = {-1};
   rheo::VerificationArgs a;
-  a.V = 300;
-  std::vector<double> w(300, 0.0);
+  a.logits = logits.data();
+  a.dtype = rheo::DType::kFloat64;
+  a.B = 1, a.N = 1, a.V = V;
+  a.tokens = tokens.data();
+  a.parents = parents.data();
+  a.sampled_row = sampled.data();
   int32_t token = -7;
-  draw_kernel RHEO_LAUNCH(1, rheo::kThreads, 0, nullptr)(a, w.data(), &token);
+  const size_t smem = rheo::walk_smem_bytes(1, 0, kHashBits);
+  draw_kernel RHEO_LAUNCH(1, rheo::kThreads, smem, nullptr)(a, 123, &token);
   CHECK(cudaGetLastError() == cudaSuccess);
   CHECK(token == 0);
-  w[123] = 1.0;
-  draw_kernel RHEO_LAUNCH(1, rheo::kThreads, 0, nullptr)(a, w.data(), &token);
+  draw_kernel RHEO_LAUNCH(1, rheo::kThreads, smem, nullptr)(a, -1, &token);
   CHECK(token == 123);
 }
 

@@ -940,6 +940,46 @@ void verification_bad(const char* what, int32_t bit, const std::function<void(Ve
     if (cuda.len[b] < 1 || cuda.bonus[b] < 0 || cuda.bonus[b] >= c.V) fail("verdict out of range");
 }
 
+// A NaN target logit at a node the walk never visits: no status bit, and the verdict is the
+// CPU's (the prepass records the NaN for that row; only a visited node's record fails the tree).
+void verification_unvisited_nan(const VerifyCase& c, uint64_t seed) {
+  ++cases;
+  char name[160];
+  std::snprintf(name, sizeof name, "verification NaN at an unvisited node B=%ld N=%ld V=%ld %s",
+                long(c.B), long(c.N), long(c.V), dtype_name(c.dtype));
+  current_case = name;
+  Rng rng(seed);
+  VerifyInputs in = make_verify_inputs(c, rng);
+  VerifyOut first = verify_outputs(c, in.P);
+  rheo::verification_cpu(verify_args(c, in, first, nullptr));
+  const size_t es = elem_size(c.dtype);
+  int poisoned = 0;
+  for (int64_t b = 0; b < c.B; ++b) {
+    std::vector<char> visited(c.N, 0);
+    for (int64_t i = 0; i < first.len[b]; ++i) visited[first.path[b * in.P + i]] = 1;
+    for (int64_t node = c.N - 1; node > 0; --node) {
+      if (visited[node]) continue;
+      std::vector<float> nan(1, std::numeric_limits<float>::quiet_NaN());
+      const std::vector<unsigned char> bytes = encode(nan, c.dtype);
+      std::memcpy(in.logits.data() + ((b * c.N + node) * c.V + 7) * es, bytes.data(), es);
+      ++poisoned;
+      break;
+    }
+  }
+  if (poisoned == 0) fail("every node visited: no unvisited node to poison");
+  VerifyOut cpu = verify_outputs(c, in.P);
+  if (cpu_raises([&] { rheo::verification_cpu(verify_args(c, in, cpu, nullptr)); }))
+    fail("the CPU kernel raised on an unvisited node");
+  std::vector<double> workspace(c.B * c.V);
+  const VerifyOut cuda = run_twice<VerifyOut>(
+      [&](VerifyOut& o) { return rheo::verification_cuda(verify_args(c, in, o, workspace.data()), nullptr); },
+      verify_outputs(c, in.P));
+  expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
+  expect_equal(cuda.len, cpu.len, "accept_len");
+  expect_equal(cuda.path, cpu.path, "accept_path");
+  expect_equal(cuda.bonus, cpu.bonus, "bonus_token");
+}
+
 void verification_tests() {
   uint64_t seed = 500;
   using M = rheo::VerifyMethod;
@@ -960,7 +1000,18 @@ void verification_tests() {
       verification_case({8, 20, 3000, 64, d, m, 0.8, 1.0, 50, Logits::kNormal}, ++seed);
     }
   }
-  if (!quick) verification_case({1, 30, 128256, 128, DType::kBFloat16, M::kRheo, 1.0, 0.95, 0, Logits::kPeaked}, ++seed);
+  if (!quick) {
+    verification_case({1, 30, 128256, 128, DType::kBFloat16, M::kRheo, 1.0, 0.95, 0, Logits::kPeaked}, ++seed);
+    // The prepass at scale: all 60 rows processed in parallel, the walk reads their stats.
+    verification_case({1, 60, 128256, 128, DType::kBFloat16, M::kRheo, 1.0, 1.0, 0, Logits::kPeaked}, ++seed);
+    verification_case({1, 60, 32000, 128, DType::kFloat32, M::kRRSW, 0.8, 0.9, 50, Logits::kNormal}, ++seed);
+    verification_case({8, 60, 32000, 128, DType::kBFloat16, M::kRheo, 1.0, 1.0, 0, Logits::kPeaked}, ++seed);
+  }
+  verification_case({8, 60, 3000, 64, DType::kFloat16, M::kRheo, 1.0, 0.8, 0, Logits::kTies}, ++seed);
+  // NaN at a node off the accepted path: the prepass regime (V >= 6 N) and the one without it.
+  verification_unvisited_nan({2, 12, 300, 16, DType::kFloat32, M::kRheo, 1.0, 1.0, 0, Logits::kNormal}, ++seed);
+  verification_unvisited_nan({4, 60, 111, 32, DType::kBFloat16, M::kRRSW, 0.9, 0.9, 0, Logits::kNormal}, ++seed);
+  verification_unvisited_nan({2, 20, 3000, 64, DType::kFloat64, M::kTopK, 0.0, 1.0, 0, Logits::kPeaked}, ++seed);
   verification_bad("NaN target logit at the root", rheo::kStatusNonFiniteTarget, [](VerifyInputs& in, const VerifyCase& c) {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     std::memcpy(in.logits.data() + (1 * c.N * c.V + 7) * 4, &nan, 4);

@@ -32,8 +32,10 @@
 // token ids in increasing order: the smallest v with cumsum_{w <= v} r(w) > coin * sum(r).
 // Rounding guard: a test whose rejection would leave r with zero mass accepts instead (only
 // reachable through rounding when the accept probability is within an ulp of 1).
-// Softmax only at the visited nodes; the residual is kept as p, the sparse correction over the
-// support and a running normaliser, and is materialised over V at most once (the final draw).
+// The CPU computes the softmax only at the visited nodes; the CUDA kernel reduces every node's
+// row in parallel first (verification.cu). Both keep the residual as p, the sparse correction
+// over the support and a running normaliser, and materialise it over V at most once (the
+// final draw).
 //
 // Outputs:
 //   accept_path [B, P] int32  accepted node indices from the root (root first), -1 padded;
@@ -90,8 +92,9 @@ struct VerificationArgs {
   int32_t* accept_len = nullptr;   // [B]
   int32_t* bonus_token = nullptr;  // [B]
   int32_t* status = nullptr;       // [1] or null: CUDA status bits (common.h StatusBit)
-  double* workspace = nullptr;     // [B, V] residual weights: verification_cuda only (the
-                                   // binding allocates it through torch's caching allocator)
+  double* workspace = nullptr;     // [B, V] doubles: verification_cuda only (its per-node
+                                   // stats records, see verification.cu; the binding allocates
+                                   // it through torch's caching allocator)
   // outputs of verification_law_cpu
   void* accept_prob = nullptr;  // [B, N] acc_t
   void* emit_prob = nullptr;    // [B, N, V] acc_t
