@@ -159,6 +159,42 @@ def tree_attention(s: TreeAttentionSize) -> Estimate:
     )
 
 
+# As built in issue 10: 64 query rows of one KV head per block, K/V tiles of 32 keys through
+# shared memory once per row tile, fp32 FMAs; prefix split ~256 keys a block, log-sum-exp merge.
+ATTN_ROWS_PER_BLOCK, ATTN_KEYS_PER_SPLIT, ATTN_MAX_BLOCKS = 64, 256, 2 * SMS
+# Warp instructions per (row, key): D FMAs for q.k with 3 shared loads per 8, D for p.v with 3
+# per 32 (the kernel's PTX), over 32 lanes.
+ATTN_BUILT_INSTR = (1 + 3 / 8) + (1 + 3 / 32)
+
+
+def tree_attention_built(s: TreeAttentionSize) -> Estimate:
+    g = H // HKV
+    row_tiles = math.ceil(N * g / ATTN_ROWS_PER_BLOCK)
+    keys = s.prefix + N
+    splits = max(1, min(math.ceil(keys / ATTN_KEYS_PER_SPLIT),
+                        ATTN_MAX_BLOCKS // (s.B * HKV * row_tiles)))  # fmt: skip
+    blocks = s.B * HKV * row_tiles * splits
+    pairs = s.B * N * H * keys  # every key of the tile is scored (masked ones too)
+    l2 = kv_bytes(s) * row_tiles
+    partials = 2 * 4 * s.B * N * H * (D + 2) * splits if splits > 1 else 0.0
+    busy = min(blocks, SMS) / SMS
+    phases = {
+        "HBM (K/V once)": (kv_bytes(s) + partials) / HBM_BW,
+        "L2 (K/V per row tile)": l2 / L2_BW,
+        "issue (fp32 FMAs)": pairs * ATTN_BUILT_INSTR * D / 32 / (ISSUE * busy),
+    }
+    base = tree_attention(s)
+    return Estimate(
+        size=base.size,
+        compulsory_bytes=base.compulsory_bytes,
+        ops=base.ops,
+        floor_s=base.floor_s,
+        traffic=f"{si(l2, 'B')} L2, {blocks} blocks",
+        current_s=max(phases.values()) + (2 if splits > 1 else 1) * LAUNCH_S,
+        bound=dominant(phases),
+    )
+
+
 # Pool sampler: csrc/cuda/pool_sampler.cu.
 @dataclass(frozen=True)
 class PoolSamplerSize:
@@ -166,8 +202,10 @@ class PoolSamplerSize:
     V: int
 
 
-def pool_sampler(s: PoolSamplerSize) -> Estimate:
-    """One 256-thread block per row (rows <= 132: one SM each): 6 passes over V, then thread 0."""
+def pool_sampler(s: PoolSamplerSize, built: bool = False) -> Estimate:
+    """One 256-thread block per row (rows <= 132: one SM each): 6 passes over V, then thread 0.
+    built: as built in issue 10, the gather scans a contiguous id range per warp with two block
+    barriers (a streaming pass; the ties' second pass reads a few tiles), not ordered tiles."""
     se = min(S_SUPPORT, s.V)
     row = s.V * 2
     outputs = K_SLOTS * 8 + se * 8 + 8  # tokens + log proxies, q~ ids + q~, slot + q~(Y)
@@ -179,9 +217,11 @@ def pool_sampler(s: PoolSamplerSize) -> Estimate:
         "radix digit 1 (hot-bin atomics)": max(stream, s.V / HOT_BIN_PER_CLK / CLOCK_HZ),
         "radix digits 2-4": 3 * stream,
         "ordered gather (tile latency)": max(stream, math.ceil(s.V / 256) * tile / CLOCK_HZ),
+        "warp-range gather": stream,
         "outside mass": stream,
         "thread-0 plan_row": (4 * se - 2 * LEADS) * DEXP_THREAD_CYCLES / CLOCK_HZ,
     }
+    del phases["warp-range gather" if not built else "ordered gather (tile latency)"]
     waves = math.ceil(s.rows / SMS)
     return Estimate(
         size=f"V={s.V}, {s.rows} row{'s' if s.rows > 1 else ''}",
@@ -247,6 +287,36 @@ def verification(s: VerificationSize) -> Estimate:
         floor_s=floor,
         traffic=f"{si(per_tree, 'B')}/tree on {sms(s.B)}",
         current_s=math.ceil(s.B / SMS) * sum(phases.values()) + LAUNCH_S,
+        bound=dominant(phases),
+    )
+
+
+# As built in issue 10: a prepass (grid B*N) reduces every node row to a stats record (max,
+# softmax sum, #p > 0, top-k / top-p thresholds) in parallel; the walk (grid B) then costs
+# O(K + S) a node and one pass over V for the final draw. A visited node's walk work is a chain
+# of dependent block reductions and barriers (assumed ~0.5 µs each, ~6 of them).
+WALK_NODE_S = 3e-6
+
+
+def verification_built(s: VerificationSize) -> Estimate:
+    V, logits, rows = V_TARGET, V_TARGET * 2, s.B * N
+    key_bytes = 2  # bf16 logits: top-k / top-p radix digits over 16-bit keys
+    passes = 1.0 + (key_bytes if s.top_k else 0) + (key_bytes + 1 if s.top_p < 1.0 else 0)
+    waves = math.ceil(rows / SMS)
+    hot = V / HOT_BIN_PER_CLK / CLOCK_HZ if (s.top_k or s.top_p < 1.0) else 0.0
+    phases = {
+        "prepass (rows in parallel)": waves * (passes * logits / SM_BW + hot),
+        "walk (dependent reductions)": VISITED * WALK_NODE_S,
+        "final draw (1 pass)": (1 + 1 / 16) * logits / SM_BW,
+    }
+    base = verification(s)
+    return Estimate(
+        size=base.size,
+        compulsory_bytes=base.compulsory_bytes,
+        ops=base.ops,
+        floor_s=base.floor_s,
+        traffic=f"{si(rows * passes * logits, 'B')} on {sms(rows)}, then {sms(s.B)}",
+        current_s=math.ceil(s.B / SMS) * sum(phases.values()) + 2 * LAUNCH_S,
         bound=dominant(phases),
     )
 
@@ -321,9 +391,11 @@ def skinny_linear(s: SkinnySize) -> Estimate:
 @dataclass(frozen=True)
 class KernelTable:
     title: str
-    design: str  # the current work mapping, as read from the .cu file
+    design: str  # the work mapping the issue-10 review read in the .cu file (commit abcb590)
     rows: list[Estimate]
     redesign: list[str]
+    built: list[Estimate] | None = None  # the same sizes, as built in issue 10 (None: unchanged)
+    built_design: str = ""
 
 
 def kernel_tables() -> list[KernelTable]:
@@ -353,6 +425,14 @@ def kernel_tables() -> list[KernelTable]:
                 f"Split the prefix (flash-decoding) so B * Hkv * splits >= {SMS} blocks, "
                 "then a log-sum-exp merge of the splits' partial outputs.",
             ],
+            [tree_attention_built(s) for s in attn],
+            f"one 256-thread block per (KV head, {ATTN_ROWS_PER_BLOCK} query rows, key split, "
+            f"batch): K/V tiles of 32 keys go through shared memory once per row tile "
+            f"({math.ceil(N * H // HKV / ATTN_ROWS_PER_BLOCK)} reads of K/V instead of "
+            f"{N * H // HKV}), the mask applied in the tile; ~{ATTN_KEYS_PER_SPLIT} keys a "
+            f"split, at most {ATTN_MAX_BLOCKS} blocks, a log-sum-exp merge kernel; fp32 FMAs "
+            "(no tensor cores: the emulator that checks it runs plain CUDA C++). Issue-bound "
+            "now; tensor cores are the next step.",
         ),
         KernelTable(
             "Pool sampler (one launch per draft level)",
@@ -371,6 +451,11 @@ def kernel_tables() -> list[KernelTable]:
                 "Per-warp histograms or warp-aggregated atomics (__match_any_sync) for the hot "
                 "first digit; the rank sort as a warp bitonic sort of S keys.",
             ],
+            [pool_sampler(s, built=True) for s in pools],
+            "the gather scans a contiguous id range per warp (coalesced, two block barriers "
+            "instead of three per 256 ids) and the rank sort keeps at most 8 entries a thread "
+            "(128-byte stack frame instead of 1 KB); still one block per row, 6 passes and "
+            "thread 0's plan_row.",
         ),
         KernelTable(
             "Verification (one launch per step)",
@@ -386,6 +471,14 @@ def kernel_tables() -> list[KernelTable]:
                 "with a scan; top-k / top-p by radix over the 16 bits of bf16 (2 passes) or "
                 "over float32 p, not 8 passes of 64-bit keys.",
             ],
+            [verification_built(s) for s in verify],
+            "node_stats_kernel, one block per node row (grid B*N), reduces every row in "
+            "parallel to a 48-byte record (non-finite flag, max, softmax sum, #p > 0, top-k "
+            "threshold, top-p cut) with one online pass (+ key-digit passes over 16-bit keys "
+            "for top-k / top-p, masses in 64-bit fixed point so every sum is order-free); "
+            "walk_kernel, one block per tree, evaluates p only at the children's tokens and on "
+            "the q~ support, keeps the changed entries in a shared-memory hash, and makes one "
+            "pass over V for the final draw.",
         ),
         KernelTable(
             "Proxy rerank (select_expand 7 per step, build_tree 1)",
@@ -413,9 +506,9 @@ def kernel_tables() -> list[KernelTable]:
 
 
 def kernel_markdown(t: KernelTable) -> list[str]:
-    lines = [f"### {t.title}", "", f"Current design: {t.design}", ""]
+    lines = [f"### {t.title}", "", f"Reviewed design: {t.design}", ""]
     lines.append(
-        "| size | compulsory bytes | must-do ops | floor µs | current traffic | current µs "
+        "| size | compulsory bytes | must-do ops | floor µs | reviewed traffic | reviewed µs "
         "| bound by | gap | gap w/ launch |"
     )
     lines.append("|---|---:|---:|---:|---:|---:|---|---:|---:|")
@@ -426,7 +519,17 @@ def kernel_markdown(t: KernelTable) -> list[str]:
             f"| {times(r.gap_with_launch)} |"
         )
     lines += ["", "Redesign:"] + [f"- {note}" for note in t.redesign] + [""]
-    return lines
+    if t.built is None:
+        return lines + ["Built in issue 10: unchanged.", ""]
+    lines += [f"Built in issue 10: {t.built_design}", ""]
+    lines.append("| size | built traffic | built µs | bound by | gap w/ launch | vs reviewed |")
+    lines.append("|---|---:|---:|---|---:|---:|")
+    for r, b in zip(t.rows, t.built, strict=True):
+        lines.append(
+            f"| {b.size} | {b.traffic} | {us(b.current_s)} | {b.bound} "
+            f"| {times(b.gap_with_launch)} | {times(r.current_s / b.current_s)} faster |"
+        )
+    return lines + [""]
 
 
 # One decode step (B trees, prefix P): the parts, each with its floor and its current estimate.
@@ -442,6 +545,7 @@ class StepPart:
     calls: int
     floor_s: float
     current_s: float | None  # None: torch/cuBLAS work, taken at its floor
+    built_s: float | None = None  # as built in issue 10
 
 
 def matmul_floor(params: float, rows: int) -> float:
@@ -456,9 +560,11 @@ def head_floor(B: int, prefix: int) -> float:
     return sum(per_level) + matmul_floor(HEAD_FC, B * VISITED)
 
 
-def kernel_part(name: str, calls: list[Estimate]) -> StepPart:
+def kernel_part(name: str, calls: list[Estimate], built: list[Estimate] | None = None) -> StepPart:
     floor = sum(e.floor_s for e in calls)
-    return StepPart(name, len(calls), floor, sum(e.current_s for e in calls))
+    current = sum(e.current_s for e in calls)
+    after = current if built is None else sum(e.current_s for e in built)
+    return StepPart(name, len(calls), floor, current, after)
 
 
 def step_parts(B: int, prefix: int) -> list[StepPart]:
@@ -467,35 +573,52 @@ def step_parts(B: int, prefix: int) -> list[StepPart]:
     return [
         StepPart("target linears (cuBLAS)", 1, matmul_floor(TARGET_STREAMED, B * N), None),
         StepPart("draft head, 8 levels + fc (torch)", DEPTH, head_floor(B, prefix), None),
-        kernel_part("tree_attention", [tree_attention(TreeAttentionSize(B, prefix))] * LAYERS),
-        kernel_part("pool_sampler", [pool_sampler(PoolSamplerSize(r, V_DRAFT)) for r in rows]),
+        kernel_part(
+            "tree_attention",
+            [tree_attention(TreeAttentionSize(B, prefix))] * LAYERS,
+            [tree_attention_built(TreeAttentionSize(B, prefix))] * LAYERS,
+        ),
+        kernel_part(
+            "pool_sampler",
+            [pool_sampler(PoolSamplerSize(r, V_DRAFT)) for r in rows],
+            [pool_sampler(PoolSamplerSize(r, V_DRAFT), built=True) for r in rows],
+        ),
         kernel_part(
             "select_expand", [proxy_rerank(RerankSize("select_expand", B, m)) for m in scores]
         ),
         kernel_part("build_tree", [proxy_rerank(RerankSize("build_tree", B, CANDIDATES))]),
-        kernel_part("verification", [verification(VerificationSize(B))]),
+        kernel_part(
+            "verification",
+            [verification(VerificationSize(B))],
+            [verification_built(VerificationSize(B))],
+        ),
     ]
 
 
 def step_markdown(B: int, prefixes: tuple[int, ...] = (1024, 8192)) -> list[str]:
     per_prefix = [step_parts(B, p) for p in prefixes]
     head = "| part | calls |" + "".join(
-        f" P={p} floor µs | P={p} current µs | % of step floor |" for p in prefixes
+        f" P={p} floor µs | reviewed µs | built µs | built % of floor |" for p in prefixes
     )
-    lines = [f"#### B = {B}", "", head, "|---|---:|" + "---:|---:|---:|" * len(prefixes)]
+    lines = [f"#### B = {B}", "", head, "|---|---:|" + "---:|---:|---:|---:|" * len(prefixes)]
     floors = [sum(part.floor_s for part in parts) for parts in per_prefix]
     for i, part in enumerate(per_prefix[0]):
         cells = f"| {part.name} | {part.calls} |"
         for parts, floor in zip(per_prefix, floors, strict=True):
             p = parts[i]
             cur = "(at floor)" if p.current_s is None else us(p.current_s)
-            share = "" if p.current_s is None else f"{100 * p.current_s / floor:.1f}%"
-            cells += f" {us(p.floor_s)} | {cur} | {share} |"
+            built = "" if p.built_s is None else us(p.built_s)
+            share = "" if p.built_s is None else f"{100 * p.built_s / floor:.1f}%"
+            cells += f" {us(p.floor_s)} | {cur} | {built} | {share} |"
         lines.append(cells)
     totals = "| **step** | |"
     for parts, floor in zip(per_prefix, floors, strict=True):
         current = sum(p.floor_s if p.current_s is None else p.current_s for p in parts)
-        totals += f" **{us(floor)}** | **{us(current)}** | {times(current / floor)} the floor |"
+        built = sum(p.floor_s if p.built_s is None else p.built_s for p in parts)
+        totals += (
+            f" **{us(floor)}** | **{us(current)}** ({times(current / floor)}) "
+            f"| **{us(built)}** | {times(built / floor)} the floor |"
+        )
     return lines + [totals, ""]
 
 
@@ -515,7 +638,9 @@ def constants_markdown() -> list[str]:
         f"shared atomics {HOT_BIN_PER_CLK} a clock; an ordered 256-element tile "
         f"{TILE_CYCLES_L1} cycles (row in L1) or {TILE_CYCLES_L2} (in L2); a double exp on one "
         f"thread {DEXP_THREAD_CYCLES} cycles, {DEXP_FP64_OPS} FP64 instructions; tree attention "
-        f"{ATTN_INSTR[0]} warp instructions per D/32 + {ATTN_INSTR[1]} per (row, key).",
+        f"{ATTN_INSTR[0]} warp instructions per D/32 + {ATTN_INSTR[1]} per (row, key) (reviewed), "
+        f"{ATTN_BUILT_INSTR:.2f} per D/32 (built); a verification walk node "
+        f"{WALK_NODE_S * 1e6:.0f} µs of dependent reductions (built).",
         f"- sizes: N = {N}, depth {DEPTH}, topk {TOPK}, S = {S_SUPPORT}, K = {K_SLOTS}, "
         f"m = {LEADS}; H = {H}, Hkv = {HKV}, D = {D}; bf16; a node sees {VISIBLE_TREE:g} tree "
         f"rows on average; a walk visits {VISITED} nodes; build_tree ranks L = {CANDIDATES}.",

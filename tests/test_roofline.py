@@ -88,3 +88,16 @@ def test_benchmarks_holds_the_output(roofline: ModuleType) -> None:
         "BENCHMARKS.md's roofline section differs from `python bench/roofline.py`; paste the "
         "script's output again"
     )
+
+
+def test_built_designs_read_less_and_run_faster(roofline: ModuleType) -> None:
+    r = roofline
+    size = r.TreeAttentionSize(B=1, prefix=8192)
+    built = r.tree_attention_built(size)
+    assert built.traffic.startswith(r.si(4 * r.kv_bytes(size), "B")), built  # 4 row tiles
+    for table in r.kernel_tables():
+        if table.built is None:
+            continue
+        for reviewed, after in zip(table.rows, table.built, strict=True):
+            assert after.floor_s == reviewed.floor_s, table.title
+            assert after.floor_s <= after.current_s <= reviewed.current_s, (table.title, after)
