@@ -9,6 +9,7 @@
 //   caller_workspace      defect 6: verification_cuda allocated B x V doubles per call with
 //                         cudaMallocAsync, outside torch's allocator.
 #include "../../csrc/cuda/verification.cu"
+#include "check.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,14 +21,6 @@
 
 namespace {
 
-int failures = 0;
-#define CHECK(cond, ...)                                                        \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                \
-      ++failures;                                                               \
-    }                                                                           \
-  } while (0)
 
 // Row processing of one fp64 row (row_stats), then p's weight at every token (0 = cut).
 __global__ void top_p_kernel(rheo::VerificationArgs a, double* w) {

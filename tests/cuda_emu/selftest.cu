@@ -11,19 +11,11 @@
 #include <vector>
 
 #include "../../csrc/cpu/cpu_math.h"
+#include "check.h"
 #include "device_utils.cuh"
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond, ...)                                         \
-  do {                                                           \
-    if (!(cond)) {                                               \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                \
-    }                                                            \
-  } while (0)
 
 bool message_has(const char* text) {
   return rheo_emu::last_error_message().find(text) != std::string::npos;
