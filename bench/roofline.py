@@ -29,7 +29,7 @@ The model, per kernel and size:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # H200 SXM limits.
 CLOCK_HZ = 1.98e9  # boost clock
@@ -183,12 +183,8 @@ def tree_attention_built(s: TreeAttentionSize) -> Estimate:
         "L2 (K/V per row tile)": l2 / L2_BW,
         "issue (fp32 FMAs)": pairs * ATTN_BUILT_INSTR * D / 32 / (ISSUE * busy),
     }
-    base = tree_attention(s)
-    return Estimate(
-        size=base.size,
-        compulsory_bytes=base.compulsory_bytes,
-        ops=base.ops,
-        floor_s=base.floor_s,
+    return replace(  # the reviewed row's size, floor and must-do work
+        tree_attention(s),
         traffic=f"{si(l2, 'B')} L2, {blocks} blocks",
         current_s=max(phases.values()) + (2 if splits > 1 else 1) * LAUNCH_S,
         bound=dominant(phases),
@@ -309,12 +305,8 @@ def verification_built(s: VerificationSize) -> Estimate:
         "walk (dependent reductions)": VISITED * WALK_NODE_S,
         "final draw (1 pass)": (1 + 1 / 16) * logits / SM_BW,
     }
-    base = verification(s)
-    return Estimate(
-        size=base.size,
-        compulsory_bytes=base.compulsory_bytes,
-        ops=base.ops,
-        floor_s=base.floor_s,
+    return replace(  # the reviewed row's size, floor and must-do work
+        verification(s),
         traffic=f"{si(rows * passes * logits, 'B')} on {sms(rows)}, then {sms(s.B)}",
         current_s=math.ceil(s.B / SMS) * sum(phases.values()) + 2 * LAUNCH_S,
         bound=dominant(phases),
