@@ -385,6 +385,10 @@ class Request:
         ar_cfg = TreeConfig("ar")
         policy: TreePolicy | None = None
         step, produced = 0, 0
+        # Per-step buffers at fixed addresses (what a CUDA-graph capture of the step needs): the
+        # prefix length, filled in on the device each step, and the kernels' status word.
+        prefix = torch.empty(1, dtype=torch.int32, device=cache.k.device)
+        status = kernels.status_word(cache.k.device)
         # The root of the next step sits at row cache.length: a step runs while it fits.
         while cache.length < self.context:
             room, wanted = self.context - cache.length, self.max_new_tokens - produced
@@ -400,10 +404,10 @@ class Request:
             # Nothing between two steps reads the device: the prefix length is filled in on it
             # (no host-to-device copy either), and the root and the tree policy's evidence come
             # from the step's one read (loop.speculative_step).
-            prefix = torch.full((1,), cache.length, dtype=torch.int32, device=cache.k.device)
+            prefix.fill_(cache.length)
             result = speculative_step(
                 runner, drafter, root, prefix, step_cfg, self.sampling, self.seed, step,
-                None if head is None else head.draft_to_target,
+                None if head is None else head.draft_to_target, status,
             )  # fmt: skip
             seconds = time.perf_counter() - start
             if policy is not None:

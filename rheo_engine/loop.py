@@ -171,6 +171,7 @@ def speculative_step(
     seed: int,
     step: int,
     draft_to_target: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
 ) -> StepResult:
     """One step for B sequences: draft a tree per root, verify it, accept, commit.
 
@@ -178,10 +179,12 @@ def speculative_step(
     run with no host read, their shapes fixed by ``cfg`` and the cache length, both known on the
     host before the step (what a CUDA-graph capture needs); their kernels report bad input in
     one status word, read with the verdict by read_outcome; the commits and the emitted tokens
-    then use that host copy.
+    then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the device),
+    so that a run of steps keeps its buffers at fixed addresses; None allocates one.
     """
     clock, times, timed = _Clock(), StepTimes(), _TimedDrafter(drafter)
-    status = kernels.status_word(root_tokens.device)  # [1] int32, the step's kernels OR into it
+    # [1] int32, the step's kernels OR into it
+    status = kernels.status_word(root_tokens.device) if status is None else status.zero_()
     dt = draft_tree(
         timed, root_tokens, prefix_len, cfg, sampling.temperature, seed, step, draft_to_target,
         status=status,
@@ -221,9 +224,12 @@ def decode(
     B = root_tokens.shape[0]
     out = Decoded([[] for _ in range(B)], [[] for _ in range(B)])
     roots, prefix = root_tokens.clone(), prefix_len.clone()
+    status = kernels.status_word(root_tokens.device)
     step = first_step
     while min(len(t) for t in out.tokens) < max_new_tokens:
-        result = speculative_step(target, drafter, roots, prefix, cfg, sampling, seed, step)
+        result = speculative_step(
+            target, drafter, roots, prefix, cfg, sampling, seed, step, status=status
+        )
         for b, new in enumerate(result.emitted):
             out.tokens[b].extend(new)
             out.accept_lengths[b].append(len(new))
