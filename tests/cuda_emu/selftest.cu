@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -258,6 +259,26 @@ void test_races_show() {
   CHECK(!schedules_differ(trivial, 64));  // and a correct kernel does not differ
 }
 
+// The emulator's cost: a shuffle-heavy kernel, timed per fiber switch (printed, not asserted).
+__global__ void shuffle_loop(float* out) {
+  float x = static_cast<float>(threadIdx.x);
+  for (int i = 0; i < 1000; ++i) x = __shfl_xor_sync(0xFFFFFFFFu, x, 1) + 1.0f;
+  out[threadIdx.x] = x;
+}
+
+double ns_per_switch(uint64_t seed) {
+  std::vector<float> out(128);
+  const uint64_t saved = rheo_emu::schedule_seed();
+  rheo_emu::set_schedule_seed(seed);
+  const uint64_t before = rheo_emu::counters().switches;
+  const auto t0 = std::chrono::steady_clock::now();
+  shuffle_loop RHEO_LAUNCH(1, 128, 0, nullptr)(out.data());
+  const auto t1 = std::chrono::steady_clock::now();
+  rheo_emu::set_schedule_seed(saved);
+  const double switches = static_cast<double>(rheo_emu::counters().switches - before);
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / switches;
+}
+
 // One element past the dynamic shared buffer: the negative control of the sanitized build
 // (AddressSanitizer must stop the program; tests/test_cuda_emu.py checks that it does).
 __global__ void write_past_dynamic_shared(int* out) {
@@ -283,6 +304,8 @@ int main(int argc, char** argv) {
   test_conversions();
   test_misuse();
   test_races_show();
+  std::printf("cost: %.0f ns a fiber switch in order, %.0f ns in a random schedule\n",
+              ns_per_switch(0), ns_per_switch(1));
   const auto c = rheo_emu::counters();
   std::printf("selftest seed %llu: %s (%llu launches, %llu blocks, %llu switches)\n",
               static_cast<unsigned long long>(seed), failures ? "FAILED" : "ok",
