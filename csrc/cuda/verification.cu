@@ -383,9 +383,11 @@ cudaError_t launch(const VerificationArgs& args, cudaStream_t stream) {
   const bool stats_fit = args.N * static_cast<int64_t>(sizeof(NodeStats)) <=
                          args.V * static_cast<int64_t>(sizeof(double));
   const int hash_bits = ceil_log2(2 * (args.N + args.Se)) < 5 ? 5 : ceil_log2(2 * (args.N + args.Se));
-  if (hash_bits > 24) return cudaErrorInvalidValue;
-  const size_t smem = walk_smem_bytes(args.N, args.Se, hash_bits);
-  if (smem > kMaxDynamicSmem) return cudaErrorInvalidValue;  // about N + Se > 6000
+  const size_t smem = hash_bits > 24 ? kMaxDynamicSmem + 1 : walk_smem_bytes(args.N, args.Se, hash_bits);
+  RHEO_CHECK(smem <= kMaxDynamicSmem, "verification on CUDA keeps a tree's nodes and the q~ "
+             "support in shared memory: N=", args.N, " nodes and Se=", args.Se, " need ", smem,
+             " bytes, over ", kMaxDynamicSmem, " (about N + Se <= 6000); use fewer tree nodes "
+             "or a smaller support, or verify on the CPU");
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         walk_kernel<Row>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
