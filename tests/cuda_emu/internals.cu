@@ -210,12 +210,12 @@ void caller_workspace() {
   for (int64_t b = 0; b < B; ++b) CHECK(len[b] >= 1 && bonus[b] >= 0 && bonus[b] < V);
   // A support too large for the walk's shared memory is a clear error on the host, not a launch
   // failure (the q~ table is never read: the check is on sizes).
-  a.R = 1, a.Se = 7000;
+  a.R = 1, a.Se = 20000;
   bool raised = false;
   try {
     rheo::verification_cuda(a, nullptr);
   } catch (const rheo::ValueError& e) {
-    raised = std::string(e.what()).find("Se=7000") != std::string::npos;
+    raised = std::string(e.what()).find("Se=20000") != std::string::npos;
   }
   CHECK(raised);
 }
