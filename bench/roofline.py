@@ -53,6 +53,7 @@ TILE_CYCLES_L2 = 300  # the same with the row in L2 (a ~270-cycle hit)
 L1_ROW_BYTES = 200e3  # a row up to this size stays in an SM's L1 (256 KB, shared with smem)
 DEXP_THREAD_CYCLES = 40  # one double exp on a lone thread, consecutive exps overlapped
 DEXP_FP64_OPS = 20  # FP64 instructions of one double exp (polynomial and scaling)
+WARP_OP_CYCLES = 30  # one dependent warp shuffle / ballot
 ATTN_INSTR = (10, 30)  # tree attention warp instructions per (row, key): 10 per D/32, + 30
 RANK_CMP_INSTR = 6  # instructions per ranks_before compare in rank_of (load, 2 compares, add)
 CHILD_SCAN_CYCLES = 40  # verification_order: thread 0 reads parents[j] (an L1 hit) per node j
@@ -216,8 +217,16 @@ def pool_sampler(s: PoolSamplerSize, built: bool = False) -> Estimate:
         "warp-range gather": stream,
         "outside mass": stream,
         "thread-0 plan_row": (4 * se - 2 * LEADS) * DEXP_THREAD_CYCLES / CLOCK_HZ,
+        # built: warp 0, the exps 32 at a time, 4 warp sums and an inverse-CDF scan per 32 entries
+        "warp plan_row": (
+            math.ceil((4 * se - 2 * LEADS) / 32) * DEXP_THREAD_CYCLES
+            + (4 * 5 + math.ceil(se / 32) * (5 + 3)) * WARP_OP_CYCLES
+        )
+        / CLOCK_HZ,
     }
-    del phases["warp-range gather" if not built else "ordered gather (tile latency)"]
+    for name in ("ordered gather (tile latency)", "thread-0 plan_row") if built else (
+        "warp-range gather", "warp plan_row"):  # fmt: skip
+        del phases[name]
     waves = math.ceil(s.rows / SMS)
     return Estimate(
         size=f"V={s.V}, {s.rows} row{'s' if s.rows > 1 else ''}",
@@ -445,9 +454,10 @@ def kernel_tables() -> list[KernelTable]:
             ],
             [pool_sampler(s, built=True) for s in pools],
             "the gather scans a contiguous id range per warp (coalesced, two block barriers "
-            "instead of three per 256 ids) and the rank sort keeps at most 8 entries a thread "
-            "(128-byte stack frame instead of 1 KB); still one block per row, 6 passes and "
-            "thread 0's plan_row.",
+            "instead of three per 256 ids), plan_row runs on warp 0 (lane-strided exps, warp "
+            "sums in a fixed order, the inverse CDF as a warp scan 32 entries a round), and the "
+            "rank sort keeps at most 8 entries a thread (128-byte stack frame instead of 1 KB); "
+            "still one block per row and 6 passes over V.",
         ),
         KernelTable(
             "Verification (one launch per step)",
@@ -629,7 +639,8 @@ def constants_markdown() -> list[str]:
         f"- a lone block streams at one SM's share of HBM, {SM_BW / 1e9:.1f} GB/s; hot-bin "
         f"shared atomics {HOT_BIN_PER_CLK} a clock; an ordered 256-element tile "
         f"{TILE_CYCLES_L1} cycles (row in L1) or {TILE_CYCLES_L2} (in L2); a double exp on one "
-        f"thread {DEXP_THREAD_CYCLES} cycles, {DEXP_FP64_OPS} FP64 instructions; tree attention "
+        f"thread {DEXP_THREAD_CYCLES} cycles, {DEXP_FP64_OPS} FP64 instructions; a dependent warp "
+        f"shuffle {WARP_OP_CYCLES} cycles; tree attention "
         f"{ATTN_INSTR[0]} warp instructions per D/32 + {ATTN_INSTR[1]} per (row, key) (reviewed), "
         f"{ATTN_BUILT_INSTR:.2f} per D/32 (built); a verification walk node "
         f"{WALK_NODE_S * 1e6:.0f} µs of dependent reductions (built).",

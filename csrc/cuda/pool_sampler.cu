@@ -11,9 +11,9 @@
 //   2. the Se entries are gathered into the row's outputs (q_tilde_ids, q_tilde as scratch) and
 //      rank-sorted in support order (descending logit, lower id first);
 //   3. the outside mass sum exp(l - M) over l below the support (block reduction in double);
-//   4. thread 0 runs the support math serially in double, in the CPU's order (z, z_T, the
-//      inverse CDF for Y with the same Philox coin, slots, proxies), so CPU and CUDA pick the same
-//      Y except when a coin falls within rounding of a CDF boundary;
+//   4. warp 0 runs the support math in double (z, z_T, the inverse CDF for Y with the same Philox
+//      coin as a warp scan, slots, proxies), so CPU and CUDA pick the same Y except when a coin
+//      falls within rounding of a CDF boundary;
 //   5. all threads write q~.
 // Bad input cannot raise here (no host sync): a forced token that cannot be Y leaves its row
 // without a sampled child, a row with a NaN / inf logit gets safe outputs; both set a status bit
@@ -200,61 +200,88 @@ __device__ double outside_mass(const Src* row, int64_t V, int64_t Se, Acc M, Acc
   return sum + double(at_or_above - Se) * exp(double(lmin) - double(M));
 }
 
-struct RowPlan {  // thread 0's results, shared with the block for step 5
+struct RowPlan {  // warp 0's results, shared with the block for step 5
   int64_t y;      // support index of Y, or -1
   double W;       // tempered mass of the non-leads, relative to l_m
   double l_m;     // l_{x_{m+1}}
 };
 
-// Step 4 (thread 0): the CPU's support math in the CPU's order (cpu/pool_sampler.cpp).
+// Warp sum in a fixed order (xor butterfly): every lane gets the same total.
+__device__ __forceinline__ double warp_total(double x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+  return x;
+}
+
+// Sum over j in [begin, Se) of f(j), lane-strided, then a warp sum.
+template <typename F>
+__device__ __forceinline__ double warp_sum_over(int64_t begin, int64_t Se, F f) {
+  double x = 0.0;
+  for (int64_t j = begin + (threadIdx.x & 31); j < Se; j += 32) x += f(j);
+  return warp_total(x);
+}
+
+// Step 4 (warp 0, all 32 lanes): the CPU's support math (cpu/pool_sampler.cpp) with the sums over
+// the support as lane-strided warp sums in a fixed order and the inverse CDF as a warp scan, 32
+// entries a round (the review: thread 0 alone evaluated ~640 double exps). The sums add in
+// another order than the CPU's, so Y can differ from the CPU's only when the coin falls within
+// rounding of a CDF boundary; lane 0 then writes the K slots (K small) and the plan.
 template <typename Acc>
 __device__ RowPlan plan_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, const int32_t* ids,
                             const Acc* vals, double outside) {
+  const int lane = threadIdx.x & 31;
   const int32_t m = a.m;
   const double M = double(vals[0]);
-  double support_mass = 0.0;
-  for (int64_t j = 0; j < Se; ++j) support_mass += exp(double(vals[j]) - M);
+  const double support_mass = warp_sum_over(0, Se, [&](int64_t j) { return exp(double(vals[j]) - M); });
   const double log_total = log(outside + support_mass);
   RowPlan plan{-1, 0.0, double(vals[m < Se ? m : 0])};
+  const double l_m = plan.l_m, T = a.T;
+  const auto weight = [&](int64_t j) { return exp((double(vals[j]) - l_m) / T); };
   const int32_t forced_token = a.forced_sample ? a.forced_sample[r] : -1;
   if (a.kind == PoolKind::kRheo && a.T > 0.0) {
-    double all = 0.0;
-    for (int64_t j = m; j < Se; ++j) plan.W += exp((double(vals[j]) - plan.l_m) / a.T);
-    for (int64_t j = 0; j < Se; ++j) all += exp((double(vals[j]) - M) / a.T);
-    const double log_zT = (plan.l_m - M) / a.T + log(plan.W) - log(all);
+    plan.W = warp_sum_over(m, Se, weight);
+    const double all = warp_sum_over(0, Se, [&](int64_t j) { return exp((double(vals[j]) - M) / T); });
+    const double log_zT = (l_m - M) / T + log(plan.W) - log(all);
     const double tiny = sizeof(Acc) == 8 ? DBL_MIN : FLT_MIN;
     if (m == 0 || log_zT >= log(tiny)) {
-      if (forced_token != -1) {
-        for (int64_t j = m; j < Se; ++j)
-          if (ids[j] == forced_token && exp((double(vals[j]) - plan.l_m) / a.T) > 0.0) plan.y = j;
-      } else {
-        const double target = pool_coin(a.seed, a.step, a.level, uint32_t(r)) * plan.W;
-        double running = 0.0;
-        int64_t last_positive = m;
-        for (int64_t j = m; j < Se && plan.y < 0; ++j) {
-          const double w = exp((double(vals[j]) - plan.l_m) / a.T);
-          if (w > 0.0) last_positive = j;
-          running += w;
-          if (running > target) plan.y = j;
+      const double target =
+          forced_token != -1 ? 0.0 : pool_coin(a.seed, a.step, a.level, uint32_t(r)) * plan.W;
+      double running = 0.0;  // the mass of the rounds before this one (warp-uniform)
+      int64_t last_positive = m;
+      for (int64_t base = m; base < Se && plan.y < 0; base += 32) {  // warp-uniform loop
+        const int64_t j = base + lane;
+        const double w = j < Se ? weight(j) : 0.0;
+        if (forced_token != -1) {
+          const unsigned hit = __ballot_sync(0xFFFFFFFFu, j < Se && ids[j] == forced_token && w > 0.0);
+          if (hit) plan.y = base + 31 - __clz(static_cast<int>(hit));
+          continue;
         }
-        if (plan.y < 0) plan.y = last_positive;
+        double incl = w;  // inclusive scan of the round's weights over the lanes
+        for (int o = 1; o < 32; o <<= 1) {
+          const double up = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+          if (lane >= o) incl += up;
+        }
+        const unsigned positive = __ballot_sync(0xFFFFFFFFu, w > 0.0);
+        if (positive) last_positive = base + 31 - __clz(static_cast<int>(positive));
+        const unsigned crossed = __ballot_sync(0xFFFFFFFFu, j < Se && running + incl > target);
+        if (crossed) plan.y = base + __ffs(static_cast<int>(crossed)) - 1;
+        running += __shfl_sync(0xFFFFFFFFu, incl, 31);
       }
+      if (plan.y < 0 && forced_token == -1) plan.y = last_positive;
     }
   }
+  // The proxy of Y for m >= 1 needs the non-lead mass (all lanes take part in the sum).
+  const double nonlead =
+      outside + warp_sum_over(m, Se, [&](int64_t k) { return exp(double(vals[k]) - M); });
+  if (lane != 0) return plan;
   // Slots: leads, Y at slot m (Lemma 4 proxy, never q(Y)), then the best remaining entries.
   int32_t* tokens = a.tokens + r * a.K;
   Acc* log_proxy = static_cast<Acc*>(a.log_proxy) + r * a.K;
   int64_t j = 0;
   for (int32_t slot = 0; slot < a.K; ++slot) {
     if (plan.y >= 0 && slot == m) {
-      double proxy;
-      if (m == 0) {
-        proxy = log(fmin(1.0, exp(double(vals[0]) - M - log_total) + kProxyEpsilon));
-      } else {
-        double nonlead = outside;
-        for (int64_t k = Se - 1; k >= m; --k) nonlead += exp(double(vals[k]) - M);
-        proxy = fmin(double(vals[m - 1]) - M - log_total, log(nonlead) - log_total);
-      }
+      const double proxy =
+          m == 0 ? log(fmin(1.0, exp(double(vals[0]) - M - log_total) + kProxyEpsilon))
+                 : fmin(double(vals[m - 1]) - M - log_total, log(nonlead) - log_total);
       tokens[slot] = ids[plan.y];
       log_proxy[slot] = Acc(fmax(proxy, double(vals[m]) - M - log_total));
       continue;
@@ -294,7 +321,6 @@ __device__ void poison_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, int3
 template <typename Src, typename Acc, typename Key>
 __global__ void __launch_bounds__(kThreads) pool_sampler_kernel(PoolSamplerArgs a) {
   __shared__ RowPlan plan;
-  __shared__ double outside_s;
   const int64_t r = blockIdx.x;
   const int64_t Se = a.S < a.V ? a.S : a.V;
   const Src* row = static_cast<const Src*>(a.logits) + r * a.row_stride;
@@ -305,9 +331,9 @@ __global__ void __launch_bounds__(kThreads) pool_sampler_kernel(PoolSamplerArgs 
     return;
   }
   const double outside = outside_mass<Src, Acc>(row, a.V, Se, vals[0], vals[Se - 1]);
-  if (threadIdx.x == 0) {
-    outside_s = outside;
-    plan = plan_row<Acc>(a, r, Se, ids, vals, outside_s);
+  if (threadIdx.x < 32) {  // warp 0 (whole: kThreads >= 32)
+    const RowPlan p = plan_row<Acc>(a, r, Se, ids, vals, outside);
+    if (threadIdx.x == 0) plan = p;
   }
   __syncthreads();
   // Step 5: q~ = exp((l - l_m) / T) / W on support minus leads, 0 on the leads / without Y.
