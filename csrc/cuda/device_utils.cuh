@@ -41,7 +41,9 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// Sum over the 32 lanes in a fixed order (xor butterfly): every lane gets the same total.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, offset);
   return x;
 }

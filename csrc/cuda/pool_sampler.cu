@@ -206,18 +206,12 @@ struct RowPlan {  // warp 0's results, shared with the block for step 5
   double l_m;     // l_{x_{m+1}}
 };
 
-// Warp sum in a fixed order (xor butterfly): every lane gets the same total.
-__device__ __forceinline__ double warp_total(double x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
-  return x;
-}
-
 // Sum over j in [begin, Se) of f(j), lane-strided, then a warp sum.
 template <typename F>
 __device__ __forceinline__ double warp_sum_over(int64_t begin, int64_t Se, F f) {
   double x = 0.0;
   for (int64_t j = begin + (threadIdx.x & 31); j < Se; j += 32) x += f(j);
-  return warp_total(x);
+  return cuda::warp_sum(x);
 }
 
 // Step 4 (warp 0, all 32 lanes): the CPU's support math (cpu/pool_sampler.cpp) with the sums over

@@ -87,13 +87,7 @@ struct F16Row {
   using Elem = uint16_t;
   using C = float;
   static constexpr int kBits = 16;
-  __device__ static C value(Elem l, double) {
-#ifdef RHEO_CUDA_EMU
-    return __half2float(__half{l});
-#else
-    return __half2float(__ushort_as_half(l));
-#endif
-  }
+  __device__ static C value(Elem l, double) { return __half2float(__ushort_as_half(l)); }
   __device__ static bool finite(Elem l) { return (l & 0x7C00u) != 0x7C00u; }
   __device__ static u64 key(Elem l, C) { return key16(l); }
   __device__ static double weight(C c, C m, float inv_T) { return float_weight(c, m, inv_T); }

@@ -64,4 +64,8 @@ inline __half __float2half_rn(float f) {
   return {static_cast<uint16_t>(sign | h)};
 }
 inline __half __float2half(float f) { return __float2half_rn(f); }
+inline __half __ushort_as_half(unsigned short bits) { return {bits}; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
