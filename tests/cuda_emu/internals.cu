@@ -103,14 +103,22 @@ void top_p_boundaries() {
 
 constexpr int kHashBits = 5;
 
-// One fp64 tree (logits [1, N, V]) entered at the root with its stats computed in the walk.
-__global__ void plain_rejection_kernel(rheo::VerificationArgs a, double z_scale, double* out) {
-  RHEO_DYNAMIC_SHARED(double, dyn);
-  __shared__ rheo::WalkShared sh;
+// The walk's entry into the root of tree 0 (fp64), its stats computed in the walk: the prologue
+// of the kernels below.
+__device__ rheo::Residual enter_root(const rheo::VerificationArgs& a, double* dyn,
+                                     rheo::WalkShared& sh) {
   const rheo::Residual r = rheo::carve_residual(dyn, a, kHashBits);
   if (threadIdx.x == 0) sh.dirty = 1;
   __syncthreads();
   rheo::begin_node<rheo::F64Row>(a, 0, 0, nullptr, r, sh);
+  return r;
+}
+
+// One fp64 tree (logits [1, N, V]) entered at the root with its stats computed in the walk.
+__global__ void plain_rejection_kernel(rheo::VerificationArgs a, double z_scale, double* out) {
+  RHEO_DYNAMIC_SHARED(double, dyn);
+  __shared__ rheo::WalkShared sh;
+  const rheo::Residual r = enter_root(a, dyn, sh);
   if (threadIdx.x == 0) sh.Z = z_scale * sh.st.z;
   __syncthreads();
   const int32_t child = rheo::run_layer<rheo::F64Row>(a, 0, 0, r, sh);
@@ -144,10 +152,7 @@ void no_resum_on_zero() {
 __global__ void draw_kernel(rheo::VerificationArgs a, int32_t zero_token, int32_t* out) {
   RHEO_DYNAMIC_SHARED(double, dyn);
   __shared__ rheo::WalkShared sh;
-  const rheo::Residual r = rheo::carve_residual(dyn, a, kHashBits);
-  if (threadIdx.x == 0) sh.dirty = 1;
-  __syncthreads();
-  rheo::begin_node<rheo::F64Row>(a, 0, 0, nullptr, r, sh);
+  const rheo::Residual r = enter_root(a, dyn, sh);
   if (zero_token >= 0 && threadIdx.x == 0) {
     rheo::hash_insert(r, zero_token, rheo::kZeroed);
     sh.dirty = 1;
