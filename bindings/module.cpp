@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "bindings.h"
+#include "rheo/common.h"
 
 namespace {
 
@@ -28,6 +29,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace b = rheo::bind;
   m.def("has_cuda", &has_cuda, "True when the CUDA kernels were compiled in.");
   m.def("build_info", &build_info, "What was built, e.g. 'cpu + cuda sm_90'.");
+  // the status word's bits (common.h StatusBit), so that Python reads them from one place
+  m.attr("STATUS_NON_FINITE_DRAFT") = static_cast<int>(rheo::kStatusNonFiniteDraft);
+  m.attr("STATUS_BAD_FORCED") = static_cast<int>(rheo::kStatusBadForced);
+  m.attr("STATUS_NAN_SCORE") = static_cast<int>(rheo::kStatusNanScore);
+  m.attr("STATUS_BAD_TREE") = static_cast<int>(rheo::kStatusBadTree);
+  m.attr("STATUS_NON_FINITE_TARGET") = static_cast<int>(rheo::kStatusNonFiniteTarget);
+  m.attr("STATUS_BAD_VERIFY_INPUT") = static_cast<int>(rheo::kStatusBadVerifyInput);
   // pool sampler
   m.def("pool_sampler", &b::pool_sampler, "K children, proxy log-probs, sampled slot, sparse q~.");
   // proxy rerank

@@ -50,13 +50,13 @@ def _lookup(table: dict[str, int], value: str, what: str) -> int:
 
 # --- the status word ---------------------------------------------------------------------
 
-# The bits of common.h StatusBit, in step order.
-NON_FINITE_DRAFT = 1  # pool sampler: a NaN/inf draft logit
-BAD_FORCED = 2  # pool sampler: a forced token that cannot be Y
-NAN_SCORE = 4  # select_expand / build_tree: a NaN path score
-BAD_TREE = 8  # build_tree: parents, ancestor closure, depth or prefix_len
-NON_FINITE_TARGET = 16  # verification: a NaN/inf target logit at a visited node
-BAD_VERIFY_INPUT = 32  # verification: the tree or the q~ table breaks its rules
+# The bits of common.h StatusBit (exported by _C), in step order.
+NON_FINITE_DRAFT = int(_C.STATUS_NON_FINITE_DRAFT)  # pool sampler: a NaN/inf draft logit
+BAD_FORCED = int(_C.STATUS_BAD_FORCED)  # pool sampler: a forced token that cannot be Y
+NAN_SCORE = int(_C.STATUS_NAN_SCORE)  # select_expand / build_tree: a NaN path score
+BAD_TREE = int(_C.STATUS_BAD_TREE)  # build_tree: parents, ancestor closure, depth or prefix_len
+NON_FINITE_TARGET = int(_C.STATUS_NON_FINITE_TARGET)  # verification: NaN/inf at a visited node
+BAD_VERIFY_INPUT = int(_C.STATUS_BAD_VERIFY_INPUT)  # verification: the tree or q~ breaks rules
 # Bit -> the rule and fix of the error the CPU kernel raises for that input (the word has no
 # room for the offending value: the CPU kernels on the same input name it).
 STATUS_ERRORS = {
