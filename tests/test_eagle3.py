@@ -325,9 +325,10 @@ def test_head_config_feature_layers_and_defaults():
     cfg = HeadConfig.from_dict(d, big)
     assert cfg.feature_layers == (2, 16, 29)  # EAGLE's (2, N//2, N-3)
     assert cfg.rope_theta == 10000.0 and cfg.target_hidden_size == HID and cfg.head_dim == 8
-    eagle_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 5]}}
+    # SpecForge/SGLang's eagle_config names layer outputs: k is the residual entering layer k+1.
+    eagle_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
     nested = HeadConfig.from_dict(d | eagle_config, big)
-    assert nested.feature_layers == (1, 2, 5)
+    assert nested.feature_layers == (2, 16, 29)
     top = HeadConfig.from_dict(head_config_dict(rope_theta=5e5), big)
     assert top.feature_layers == FEATURES and top.rope_theta == 5e5
     no_draft_vocab = {k: v for k, v in d.items() if k != "draft_vocab_size"}
@@ -344,6 +345,7 @@ def test_identity_d2t_gives_no_mapping(target: LlamaModel):
     sd = official_state_dict()
     sd["lm_head.weight"] = torch.randn(V, HID)
     sd["d2t"] = torch.zeros(V, dtype=torch.int64)
+    sd["t2d"] = torch.ones(V, dtype=torch.bool)  # every target id is in the draft vocabulary
     cfg = HeadConfig.from_dict(head_config_dict(draft_vocab_size=V), target.cfg)
     assert Eagle3Head.from_weights(cfg, sd, target).draft_to_target is None
     del sd["d2t"], sd["t2d"]
@@ -355,7 +357,7 @@ def test_identity_d2t_gives_no_mapping(target: LlamaModel):
     [
         ({"vocab_size": 65}, None, r"head vocab_size=65 != target vocab_size=64"),
         ({"target_hidden_size": 16}, None, r"target_hidden_size=16 != target hidden_size=32"),
-        ({"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}, None, r"layer >= .*num_hidden_layers=6"),
+        ({"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}, None, r"\[6\] outside \[0, 6\).*=6"),
         ({}, "drop_fc", r"lacks \['fc.weight'\]"),
         ({}, "drop_d2t", r"lacks \['d2t'\]"),
         ({}, "d2t_range", r"draft id 23 to target id 64 .* \[0, 64\)"),

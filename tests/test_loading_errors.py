@@ -249,13 +249,19 @@ def test_shards_from_different_saves_are_refused(tmp_path, target_weights):
 # --- the head: config vs weights, and a head made for another target --------------------------
 
 
-def test_head_weights_that_disagree_with_its_config(copies, tmp_path, head_config, target):
+def test_head_weights_that_disagree_with_its_config(
+    copies, tmp_path, head_config, head_weights, target
+):
     d = variant(copies, tmp_path, "draft", head_config | {"intermediate_size": 700})
     with pytest.raises(ValueError, match=r"midlayer.mlp.gate_proj.weight has shape \[688, 256\]"):
         Eagle3Head.from_pretrained(d, target)
     four = head_config | {"eagle_aux_hidden_state_layer_ids": [1, 2, 4, 5]}
     d = variant(copies, tmp_path / "four", "draft", four)
-    with pytest.raises(ValueError, match=r"fuses 3 target features .* lists 4 feature layers"):
+    with pytest.raises(ValueError, match=r"\[1, 2, 4, 5\] lists 4 layers: .* exactly 3"):
+        Eagle3Head.from_pretrained(d, target)
+    w = head_weights | {"fc.weight": torch.zeros(256, 4 * 256)}
+    d = variant(copies, tmp_path / "fc4", "draft", weights=w)
+    with pytest.raises(ValueError, match=r"fuses 4 target features .* lists 3 feature layers"):
         Eagle3Head.from_pretrained(d, target)
 
 
@@ -277,8 +283,8 @@ def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "over, match",
     [
-        ({"num_hidden_layers": 4}, r"feature_layers=\(2, 4, 5\) .* >= this target's "
-                                   r"num_hidden_layers=4"),
+        ({"num_hidden_layers": 4}, r"\[2, 4, 5\] has \[4, 5\] outside \[0, 4\) for a "
+                                   r"target with num_hidden_layers=4"),
         ({"vocab_size": 8192}, r"head vocab_size=4096 != target vocab_size=8192"),
         ({"hidden_size": 128, "intermediate_size": 344},
          r"fuses 3 target features of width 256, but this target's hidden_size is 128"),

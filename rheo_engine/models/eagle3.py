@@ -46,6 +46,10 @@ _REQUIRED_CONFIG = ("hidden_size", "intermediate_size", "num_attention_heads", "
 _SIZES = (*_REQUIRED_CONFIG, "num_key_value_heads", "head_dim", "draft_vocab_size",
           "target_hidden_size")  # fmt: skip
 DEFAULT_ROPE_THETA = 10000.0  # the released configs have no rope_theta; training always used 10000
+# What the authors' releases, SpecForge and SGLang write; a config without the field is accepted
+# (EAGLE ignores it, eagle3.md §1.2).
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,10 @@ class HeadConfig:
                 f"head draft_vocab_size={self.draft_vocab_size} > vocab_size={self.vocab_size}: "
                 "the draft vocabulary is a subset of the target's; fix config.json"
             )
-        if not self.feature_layers or min(self.feature_layers) < 0:
+        if len(self.feature_layers) != 3 or min(self.feature_layers) < 0:
             raise ValueError(
-                f"feature_layers={self.feature_layers} must be non-empty target layer ids >= 0"
+                f"feature_layers={self.feature_layers} must be 3 target layer ids >= 0 (EAGLE-3 "
+                "fuses 3 target features); pass 3 layers"
             )
         if len(set(self.feature_layers)) != len(self.feature_layers):
             raise ValueError(
@@ -96,10 +101,22 @@ class HeadConfig:
 
     @classmethod
     def from_dict(
-        cls, d: dict[str, Any], target: ModelConfig, source: str = "head config.json"
+        cls,
+        d: dict[str, Any],
+        target: ModelConfig,
+        source: str = "head config.json",
+        target_source: str | None = None,
     ) -> HeadConfig:
         """Read an official head config; ``target`` supplies defaults EAGLE takes from it.
-        Every field is checked to have its JSON type; ``source`` names the file in errors."""
+        Every field is checked to have its JSON type; ``source`` names the file in errors, and
+        ``target_source`` the target where the two disagree."""
+        archs = json_field(d, "architectures", list, source, None)
+        if archs is not None and ARCHITECTURE not in archs:
+            raise ValueError(
+                f"{source} says architectures={archs}, not [{ARCHITECTURE!r}]: it is not an "
+                "EAGLE-3 head's config (a Llama target goes in target=DIR); pass an EAGLE-3 "
+                "head directory as draft=DIR"
+            )
         missing = [k for k in _REQUIRED_CONFIG if k not in d]
         if missing:
             raise ValueError(f"{source} lacks {missing}; an EAGLE-3 head config has them")
@@ -113,12 +130,7 @@ class HeadConfig:
             )
         H, heads = size["hidden_size"], size["num_attention_heads"]
         head_dim = json_head_dim(d, H, heads, source, "head ")
-        key = "eagle_aux_hidden_state_layer_ids"
-        layer_ids = json_int_list(d, key, source)
-        if layer_ids is None:
-            nested = json_field(d, "eagle_config", dict, source, {})
-            layer_ids = json_int_list(nested, key, f"{source} eagle_config")
-        N = target.num_hidden_layers
+        where = f" (target {target_source})" if target_source else ""
         return cls(
             **size,
             num_key_value_heads=json_field(d, "num_key_value_heads", int, source, heads),
@@ -127,11 +139,13 @@ class HeadConfig:
             rms_norm_eps=json_field(d, "rms_norm_eps", float, source, 1e-6),
             rope_theta=json_field(d, "rope_theta", float, source, DEFAULT_ROPE_THETA),
             target_hidden_size=json_field(d, "target_hidden_size", int, source, target.hidden_size),
-            feature_layers=(2, N // 2, N - 3) if layer_ids is None else tuple(layer_ids),
+            feature_layers=_feature_layers(d, target.num_hidden_layers, source, where),
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path, target: ModelConfig) -> HeadConfig:
+    def from_hf_dir(
+        cls, path: str | Path, target: ModelConfig, target_source: str | None = None
+    ) -> HeadConfig:
         path = Path(path)
         if not path.is_dir():
             what = "is a file, not a directory" if path.exists() else "not found"
@@ -141,7 +155,65 @@ class HeadConfig:
         file = path / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"head config not found: {file} (an EAGLE-3 head directory)")
-        return cls.from_dict(read_json_object(file), target, f"head config {file}")
+        return cls.from_dict(read_json_object(file), target, f"head config {file}", target_source)
+
+
+def _feature_layers(d: dict[str, Any], N: int, source: str, where: str) -> tuple[int, ...]:
+    """The target layers a head fuses, as feature_layers counts them: j = the residual entering
+    decoder layer j (HF ``hidden_states[j]``, 0 = the embeddings, as LlamaModel.forward returns).
+
+    Two spellings are in use, with the same name and different counting:
+    * top level (our heads, ``head_config_json``): feature_layers as they are;
+    * ``eagle_config`` (SpecForge / SGLang heads): k = the OUTPUT of decoder layer k, which is
+      the residual entering layer k + 1. SpecForge hooks the output of ``layers[k]``
+      (specforge/modeling/target/eagle3_target_model.py, default [1, N//2 - 1, N - 4]); SGLang
+      captures the input of layer k + 1 (sglang models/llama.py set_eagle3_layers_to_capture:
+      "we plus 1 here"). So k maps to k + 1, and EAGLE's (2, N//2, N-3) is both counts' default.
+    """
+    nested = json_field(d, "eagle_config", dict, source, {})
+    inner = f"{source} eagle_config"
+    if not json_field(nested, "use_aux_hidden_state", bool, inner, True):
+        raise ValueError(
+            f'{inner}: "use_aux_hidden_state": false is a head that reads no fused target '
+            "features (EAGLE-1/2 style); only EAGLE-3 heads are supported: pass an EAGLE-3 head"
+        )
+    top = json_int_list(d, LAYER_IDS, source)
+    outputs = json_int_list(nested, LAYER_IDS, inner)
+    if top is not None:
+        _check_layer_ids(top, N, f'{source}: "{LAYER_IDS}"', 0, where)
+    if outputs is None:
+        return (2, N // 2, N - 3) if top is None else tuple(top)
+    _check_layer_ids(outputs, N, f'{inner}: "{LAYER_IDS}"', 1, where)
+    layers = tuple(k + 1 for k in outputs)
+    if top is not None and tuple(top) != layers:
+        raise ValueError(
+            f'{source}: "{LAYER_IDS}"={top} (layer inputs) and eagle_config\'s {outputs} (layer '
+            f"outputs, i.e. inputs {list(layers)}) disagree; keep the one the head was trained with"
+        )
+    return layers
+
+
+def _check_layer_ids(ids: list[int] | tuple[int, ...], N: int, name: str, offset: int,
+                     where: str = "") -> None:  # fmt: skip
+    """3 ids, each naming a residual of a target with N layers that LlamaModel can return:
+    inputs of layers 0..N-1 (``offset`` 0), or outputs of layers 0..N-2 (``offset`` 1)."""
+    if len(ids) != 3:
+        raise ValueError(
+            f"{name}={list(ids)} lists {len(ids)} layers: an EAGLE-3 head fuses exactly 3 target "
+            f"features (fc.weight [H, 3 * target hidden]); list 3 layers{where}"
+        )
+    hi = N - offset  # valid ids: [0, hi)
+    bad = [j for j in ids if not 0 <= j < hi]
+    if bad:
+        meaning = (
+            "k = the output of decoder layer k (SpecForge/SGLang counting), the input of layer k+1"
+            if offset
+            else "j = the residual entering decoder layer j (HF hidden_states[j]; 0 = embeddings)"
+        )
+        raise ValueError(
+            f"{name}={list(ids)} has {bad} outside [0, {hi}) for a target with "
+            f"num_hidden_layers={N} ({meaning}): {_ANOTHER_TARGET}{where}"
+        )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -239,28 +311,32 @@ _ANOTHER_TARGET = (
 )
 
 
-def _check_target(cfg: HeadConfig, target: LlamaModel) -> None:
+def _where(source: str | None, target: LlamaModel) -> str:
+    """The "(head DIR, target DIR)" that ends a message, naming what is known of the two."""
+    parts = [f"head {source}"] if source else []
+    parts += [f"target {target.source}"] if target.source else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _check_target(cfg: HeadConfig, target: LlamaModel, where: str) -> None:
     """The head must fit its target: vocabulary, fused width, feature layers (eagle3.md §1.4)."""
     t = target.cfg
     if cfg.vocab_size != t.vocab_size:
         raise ValueError(
             f"head vocab_size={cfg.vocab_size} != target vocab_size={t.vocab_size}: "
-            f"{_ANOTHER_TARGET}"
+            f"{_ANOTHER_TARGET}{where}"
         )
     if cfg.target_hidden_size != t.hidden_size:
         raise ValueError(
             f"head target_hidden_size={cfg.target_hidden_size} != target hidden_size="
             f"{t.hidden_size} (fc fuses {len(cfg.feature_layers)} target features of that "
-            f"width): {_ANOTHER_TARGET}"
+            f"width): {_ANOTHER_TARGET}{where}"
         )
-    if max(cfg.feature_layers) >= t.num_hidden_layers:
-        raise ValueError(
-            f"head feature_layers={cfg.feature_layers} (eagle_aux_hidden_state_layer_ids) name a "
-            f"layer >= this target's num_hidden_layers={t.num_hidden_layers}: {_ANOTHER_TARGET}"
-        )
+    # from_dict checked the config's ids; this catches a HeadConfig built in code.
+    _check_layer_ids(cfg.feature_layers, t.num_hidden_layers, "head feature_layers", 0, where)
 
 
-def _check_fc(cfg: HeadConfig, fc: torch.Tensor) -> None:
+def _check_fc(cfg: HeadConfig, fc: torch.Tensor, where: str) -> None:
     """fc.weight [H, k * W] fuses k target features of width W: k must be the number of
     feature layers and W the target's hidden size; say which of the two is off."""
     k, T = len(cfg.feature_layers), cfg.target_hidden_size
@@ -273,17 +349,17 @@ def _check_fc(cfg: HeadConfig, fc: torch.Tensor) -> None:
         raise ValueError(
             f"head fc.weight {list(fc.shape)} fuses {k} target features of width {width // k}, "
             f"but this target's hidden_size is {T} (a head for a target of hidden_size "
-            f"{width // k}): {_ANOTHER_TARGET}"
+            f"{width // k}): {_ANOTHER_TARGET}{where}"
         )
     if width % T == 0:
         raise ValueError(
             f"head fc.weight {list(fc.shape)} fuses {width // T} target features of width {T} "
             f"but its config.json lists {k} feature layers {list(cfg.feature_layers)}: the "
-            "config.json does not match the weights; fix eagle_aux_hidden_state_layer_ids"
+            f"config.json does not match the weights; fix {LAYER_IDS}{where}"
         )
 
 
-def _check_keys(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_keys(cfg: HeadConfig, weights: dict[str, torch.Tensor], where: str) -> None:
     """Every tensor the config implies is there, and nothing it does not account for."""
     missing = [k for k in REQUIRED_KEYS if k not in weights]
     if "d2t" not in weights and cfg.draft_vocab_size != cfg.vocab_size:
@@ -294,22 +370,22 @@ def _check_keys(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
         raise ValueError(
             f"head checkpoint lacks {missing[:3]} but holds Llama decoder weights such as "
             f"{_some(extra, 2)}: it is a target, not an EAGLE-3 head; pass the head's "
-            "directory as draft=DIR"
+            f"directory as draft=DIR{where}"
         )
     if missing:
         raise ValueError(
             f"head checkpoint lacks {missing[:6]} ({len(missing)} of the tensors an EAGLE-3 head "
-            "needs); is this an EAGLE-3 head? re-export or re-download it"
+            f"needs); is this an EAGLE-3 head? re-export or re-download it{where}"
         )
     if extra:
         raise ValueError(
             f"head checkpoint has unexpected keys {extra[:6]} ({len(extra)} in all) that an "
             f"EAGLE-3 head does not have: it has {list(REQUIRED_KEYS)} plus optionally "
-            f"{list(OPTIONAL_KEYS)}; remove them or use the right checkpoint"
+            f"{list(OPTIONAL_KEYS)}; remove them or use the right checkpoint{where}"
         )
 
 
-def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor], where: str) -> None:
     expected = head_shapes(cfg)
     bad = [k for k, shape in expected.items() if k in weights and weights[k].shape != shape]
     if bad:
@@ -320,28 +396,96 @@ def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> None:
             f"intermediate_size={cfg.intermediate_size}, feature_layers={cfg.feature_layers}, "
             f"draft_vocab_size={cfg.draft_vocab_size}) needs "
             f"{', '.join(str(list(expected[k])) for k in bad[:3])}: the config.json does not "
-            "match the weights; fix the config.json or use the matching weights"
+            f"match the weights; fix the config.json or use the matching weights{where}"
         )
 
 
-def _draft_to_target(cfg: HeadConfig, d2t: torch.Tensor | None) -> torch.Tensor | None:
-    """Absolute target ids [Vd] = d + d2t[d] (eagle3.md §1.5), None for the identity."""
-    if d2t is None:
-        return None
-    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-        raise ValueError(f"head d2t must hold integer offsets, got dtype {d2t.dtype}")
-    ids = torch.arange(cfg.draft_vocab_size, dtype=torch.int64) + d2t.to("cpu", torch.int64)
-    bad = ((ids < 0) | (ids >= cfg.vocab_size)).nonzero()
+def _draft_to_target(
+    cfg: HeadConfig, d2t: torch.Tensor | None, t2d: torch.Tensor | None, where: str
+) -> torch.Tensor | None:
+    """Absolute target ids [Vd] = d + d2t[d] (eagle3.md §1.5), None for the identity. They must
+    be distinct target ids, and t2d [V] (training's membership mask; inference never reads it)
+    must be True exactly at them: a t2d that disagrees means d2t is not the map it was built
+    with."""
+    Vd, V = cfg.draft_vocab_size, cfg.vocab_size
+    if d2t is not None and (d2t.dtype.is_floating_point or d2t.dtype == torch.bool):
+        raise ValueError(
+            f"head d2t must hold integer offsets (int64 as EAGLE and SpecForge save it), got "
+            f"dtype {d2t.dtype}; re-export the head{where}"
+        )
+    offsets = torch.zeros(Vd, dtype=torch.int64) if d2t is None else d2t.to("cpu", torch.int64)
+    ids = torch.arange(Vd, dtype=torch.int64) + offsets
+    bad = ((ids < 0) | (ids >= V)).nonzero()
     if len(bad):
         d = int(bad[0, 0])
         raise ValueError(
             f"head d2t maps draft id {d} to target id {int(ids[d])} (d + d2t[d]) outside the "
-            f"target vocabulary [0, {cfg.vocab_size}) ({len(bad)} such ids); d2t must hold "
-            "offsets, target = d + d2t[d]; the checkpoint does not belong to this target"
+            f"target vocabulary [0, {V}) ({len(bad)} such ids); d2t must hold "
+            f"offsets, target = d + d2t[d]; the checkpoint does not belong to this target{where}"
         )
-    if cfg.draft_vocab_size == cfg.vocab_size and bool((d2t == 0).all()):
+    if len(ids.unique()) != Vd:
+        raise ValueError(
+            f"head d2t maps {Vd - len(ids.unique())} draft ids onto target ids another draft id "
+            f"already has (d + d2t[d] must be distinct); the d2t is corrupt: re-export it{where}"
+        )
+    if t2d is not None:
+        if t2d.dtype != torch.bool:
+            raise ValueError(
+                f"head t2d must be a bool mask [V={V}], got dtype {t2d.dtype}; re-export the "
+                f"head{where}"
+            )
+        in_draft = torch.zeros(V, dtype=torch.bool)
+        in_draft[ids] = True
+        wrong = (t2d.cpu() != in_draft).nonzero().flatten()
+        if len(wrong):
+            j = int(wrong[0])
+            raise ValueError(
+                f"head t2d[{j}]={bool(t2d[j])} but target id {j} is "
+                f"{'' if in_draft[j] else 'not '}a mapped id d + d2t[d] ({len(wrong)} such ids): "
+                f"t2d must be True exactly at the draft vocabulary; d2t and t2d come from "
+                f"different heads: re-export the head{where}"
+            )
+    if Vd == V and bool((offsets == 0).all()):
         return None
     return ids
+
+
+def _embedding(
+    cfg: HeadConfig, own: torch.Tensor | None, target: LlamaModel, where: str
+) -> torch.Tensor:
+    """The token embedding [V, H] the head uses.
+
+    A head as wide as its target uses the target's embedding: EAGLE copies it from the target
+    (eagle3.md §1.4) and SGLang's EAGLE-3 worker overwrites the draft's embed_tokens with the
+    target's (set_embed) unless target_hidden_size != hidden_size. Such heads do not save one:
+    EAGLE drops frozen parameters, and SpecForge's train_eagle3.py filters every "embed" key out
+    of the draft state dict ("EAGLE3 owns a frozen embedding loaded from the target"). So an
+    embed_tokens.weight in a checkpoint of such a head is accepted only when it IS the target's
+    (equal in the narrower of the two dtypes, e.g. a bf16 copy): anything else would be a second
+    embedding nobody says which engine used, and is refused. A narrower head (70B-style,
+    target_hidden_size) must carry its own, and uses it.
+    """
+    t = target.embed_tokens
+    if own is None:
+        if tuple(t.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"head hidden_size={cfg.hidden_size} but the target's embed_tokens is "
+                f"{list(t.shape)}: a head narrower than its target must carry "
+                f"embed_tokens.weight in its checkpoint{where}"
+            )
+        return t
+    if cfg.hidden_size != t.shape[1]:
+        return own  # shape checked against the config by _check_shapes
+    narrow = max(own.dtype, t.dtype, key=lambda dt: torch.finfo(dt).eps)
+    if not torch.equal(own.to("cpu", narrow), t.to("cpu", narrow)):
+        raise ValueError(
+            "head checkpoint holds embed_tokens.weight that differs from the target's embedding "
+            "(compared in " + str(narrow) + "): a head as wide as its target uses the target's "
+            "(EAGLE, SGLang), so this second embedding would be ignored; remove it from the "
+            f"checkpoint if the head was trained with the target's, else it is another "
+            f"target's head{where}"
+        )
+    return t
 
 
 class Eagle3Head:
@@ -373,23 +517,17 @@ class Eagle3Head:
         target: LlamaModel,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        source: str | None = None,
     ) -> Eagle3Head:
-        """Check the head against its target, then place it (default: target device and dtype)."""
-        _check_target(cfg, target)
-        _check_keys(cfg, weights)
-        _check_fc(cfg, weights["fc.weight"])
-        _check_shapes(cfg, weights)
-        embed = weights.get("embed_tokens.weight")
-        if embed is None:
-            # eagle3.md §1.4: heads without target_hidden_size borrow the target's embedding.
-            embed = target.embed_tokens
-            if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-                raise ValueError(
-                    f"head hidden_size={cfg.hidden_size} but the target's embed_tokens is "
-                    f"{list(embed.shape)}: a head narrower than its target must carry "
-                    "embed_tokens.weight in its checkpoint"
-                )
-        to_target = _draft_to_target(cfg, weights.get("d2t"))
+        """Check the head against its target, then place it (default: target device and dtype).
+        ``source`` (the head's directory) is named in the errors, with ``target.source``."""
+        where = _where(source, target)
+        _check_target(cfg, target, where)
+        _check_keys(cfg, weights, where)
+        _check_fc(cfg, weights["fc.weight"], where)
+        _check_shapes(cfg, weights, where)
+        embed = _embedding(cfg, weights.get("embed_tokens.weight"), target, where)
+        to_target = _draft_to_target(cfg, weights.get("d2t"), weights.get("t2d"), where)
         device = target.device if device is None else torch.device(device)
         dtype = target.dtype if dtype is None else dtype
         placed = {k: weights[k].to(device, dtype) for k in REQUIRED_KEYS}
@@ -404,15 +542,21 @@ class Eagle3Head:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> Eagle3Head:
-        """A converted head directory: config.json + model.safetensors (see convert_eagle3)."""
+        """A head directory: config.json + model.safetensors (or shards with
+        model.safetensors.index.json). SpecForge/SGLang heads load as they are; the authors'
+        pytorch_model.bin goes through convert_eagle3 first (weights load with safetensors)."""
         path = Path(path)
-        cfg = HeadConfig.from_hf_dir(path, target.cfg)
-        if not (path / "model.safetensors").is_file() and (path / "pytorch_model.bin").is_file():
+        cfg = HeadConfig.from_hf_dir(path, target.cfg, target.source)
+        has_st = (path / "model.safetensors").is_file() or (
+            path / "model.safetensors.index.json"
+        ).is_file()
+        if not has_st and (path / "pytorch_model.bin").is_file():
             raise ValueError(
                 f"{path} holds pytorch_model.bin only; weights load from safetensors: run "
                 f"python -m rheo_engine.io.convert_eagle3 {path} <out_dir> and load <out_dir>"
             )
-        return cls.from_weights(cfg, load_safetensors(path), target, device, dtype)
+        weights = load_safetensors(path)
+        return cls.from_weights(cfg, weights, target, device, dtype, str(path))
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.cfg

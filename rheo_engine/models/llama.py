@@ -211,6 +211,7 @@ class LlamaModel:
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # [D/2] float32
+        self.source: str | None = None  # the directory it was loaded from, named in errors
 
     @classmethod
     def from_pretrained(
@@ -222,7 +223,9 @@ class LlamaModel:
         """Load an HF Llama directory (config.json + safetensors, single or sharded)."""
         cfg = ModelConfig.from_hf_dir(path)
         dtype = resolve_dtype(dtype, cfg)
-        return cls.from_weights(cfg, load_safetensors(path), device, dtype)
+        model = cls.from_weights(cfg, load_safetensors(path), device, dtype)
+        model.source = str(path)
+        return model
 
     @classmethod
     def from_weights(
