@@ -12,6 +12,14 @@
 
 namespace rheo::bind {
 
+// logit controls (csrc/include/rheo/logit_controls.h): penalties and bans per node, in place
+void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
+                    const at::Tensor& history_ids, const at::Tensor& history_counts,
+                    const at::Tensor& history_len, const at::Tensor& suppress_ids,
+                    const at::Tensor& suppress_below, double repetition_penalty,
+                    double presence_penalty, double frequency_penalty,
+                    const std::optional<at::Tensor>& status);
+
 // pool sampler (csrc/include/rheo/pool_sampler.h); kind: 0 = topk, 1 = rheo
 void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, double T, int64_t kind,
                   uint64_t seed, uint64_t step, int64_t level,
@@ -42,13 +50,15 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
                   const at::Tensor& sampled_row, const at::Tensor& q_tilde_ids,
                   const at::Tensor& q_tilde, int64_t method, double T, double top_p,
-                  int64_t top_k, uint64_t seed, uint64_t step, at::Tensor& accept_path,
+                  int64_t top_k, double min_p, uint64_t seed, uint64_t step,
+                  at::Tensor& accept_path,
                   at::Tensor& accept_len, at::Tensor& bonus_token,
                   const std::optional<at::Tensor>& status);
 void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
                       const at::Tensor& parents, const at::Tensor& sampled_row,
                       const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
-                      double T, double top_p, int64_t top_k, at::Tensor& accept_prob,
+                      double T, double top_p, int64_t top_k, double min_p,
+                      at::Tensor& accept_prob,
                       at::Tensor& emit_prob);
 
 }  // namespace rheo::bind

@@ -36,6 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("STATUS_BAD_TREE") = static_cast<int>(rheo::kStatusBadTree);
   m.attr("STATUS_NON_FINITE_TARGET") = static_cast<int>(rheo::kStatusNonFiniteTarget);
   m.attr("STATUS_BAD_VERIFY_INPUT") = static_cast<int>(rheo::kStatusBadVerifyInput);
+  m.attr("STATUS_BAD_CONTROLS") = static_cast<int>(rheo::kStatusBadControls);
+  // logit controls
+  m.def("logit_controls", &b::logit_controls, "Penalties and bans of each node's row, in place.");
   // pool sampler
   m.def("pool_sampler", &b::pool_sampler, "K children, proxy log-probs, sampled slot, sparse q~.");
   // proxy rerank

@@ -16,7 +16,7 @@ namespace {
 VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
                         const at::Tensor& parents, const at::Tensor& sampled_row,
                         const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
-                        double T, double top_p, int64_t top_k) {
+                        double T, double top_p, int64_t top_k, double min_p) {
   check_shape(logits, "logits", {-1, -1, -1}, "[B, N, V]");
   VerificationArgs a;
   a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
@@ -52,6 +52,7 @@ VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
   a.T = T;
   a.top_p = top_p;
   a.top_k = static_cast<int32_t>(top_k);
+  a.min_p = min_p;
   return a;
 }
 
@@ -60,12 +61,14 @@ VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
 void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
                   const at::Tensor& sampled_row, const at::Tensor& q_tilde_ids,
                   const at::Tensor& q_tilde, int64_t method, double T, double top_p,
-                  int64_t top_k, uint64_t seed, uint64_t step, at::Tensor& accept_path,
+                  int64_t top_k, double min_p, uint64_t seed, uint64_t step,
+                  at::Tensor& accept_path,
                   at::Tensor& accept_len, at::Tensor& bonus_token,
                   const std::optional<at::Tensor>& status) {
   const bool cuda = on_cuda(logits, "logits");
   VerificationArgs a =
-      inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k);
+      inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k,
+             min_p);
   check_buffer(accept_path, "accept_path", at::kInt, {a.B, -1}, "[B, P]");
   check_buffer(accept_len, "accept_len", at::kInt, {a.B}, "[B]");
   check_buffer(bonus_token, "bonus_token", at::kInt, {a.B}, "[B]");
@@ -102,12 +105,14 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
 void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
                       const at::Tensor& parents, const at::Tensor& sampled_row,
                       const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
-                      double T, double top_p, int64_t top_k, at::Tensor& accept_prob,
+                      double T, double top_p, int64_t top_k, double min_p,
+                      at::Tensor& accept_prob,
                       at::Tensor& emit_prob) {
   RHEO_CHECK(!on_cuda(logits, "logits"), "verification_law runs on the CPU only (tests and "
              "analysis); move the inputs with .cpu()");
   VerificationArgs a =
-      inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k);
+      inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k,
+             min_p);
   const at::ScalarType acc = acc_dtype(a.dtype);
   check_buffer(accept_prob, "accept_prob", acc, {a.B, a.N}, "[B, N]");
   check_buffer(emit_prob, "emit_prob", acc, {a.B, a.N, a.V}, "[B, N, V]");

@@ -167,17 +167,27 @@ class TreeConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the target distribution p is processed: temperature, then top-k, then top-p."""
+    """How the target distribution p is processed at each node, in HF's order: the history
+    controls (repetition penalty, then presence / frequency penalties, then min_new_tokens' EOS
+    ban; kernels.logit_controls, with each tree node's own history), then temperature, top-k,
+    top-p and min-p (the verification kernel). Names and rules as in HF / vLLM."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off: drop tokens with p < min_p * max p
+    repetition_penalty: float = 1.0  # 1 = off (HF: over prompt and output)
+    presence_penalty: float = 0.0  # 0 = off (OpenAI / vLLM: over the output)
+    frequency_penalty: float = 0.0  # 0 = off (OpenAI / vLLM: over the output)
 
     def __post_init__(self) -> None:
-        _check_number("temperature", self.temperature)
-        _check_number("top_p", self.top_p)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
+            _check_number(name, getattr(self, name))
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number")
         _check_int("top_k", self.top_k)
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not self.temperature >= 0:
             raise ValueError(
                 f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)"
             )
@@ -185,10 +195,26 @@ class SamplingConfig:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to disable")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0; use 0 to disable")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1); use 0 to disable")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty} must be > 0 (HF's rule divides "
+                "positive logits by it); use 1.0 to disable"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty depends on the history (so each node needs its own)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 # --- the target model ----------------------------------------------------------------------

@@ -57,6 +57,7 @@ NAN_SCORE = int(_C.STATUS_NAN_SCORE)  # select_expand / build_tree: a NaN path s
 BAD_TREE = int(_C.STATUS_BAD_TREE)  # build_tree: parents, ancestor closure, depth or prefix_len
 NON_FINITE_TARGET = int(_C.STATUS_NON_FINITE_TARGET)  # verification: NaN/inf at a visited node
 BAD_VERIFY_INPUT = int(_C.STATUS_BAD_VERIFY_INPUT)  # verification: the tree or q~ breaks rules
+BAD_CONTROLS = int(_C.STATUS_BAD_CONTROLS)  # logit controls: the tree or the history breaks rules
 # Bit -> the rule and fix of the error the CPU kernel raises for that input (the word has no
 # room for the offending value: the CPU kernels on the same input name it).
 STATUS_ERRORS = {
@@ -86,6 +87,11 @@ STATUS_ERRORS = {
         "the tree or the q~ table breaks verification's rules (parents precede their nodes, "
         "tokens and q~ ids in [0, V), at most one sampled child per parent, a sampled token in "
         "its support with q~ > 0, path_capacity >= depth + 1); lay the tree out with build_tree"
+    ),
+    BAD_CONTROLS: (
+        "the tree or the history breaks logit controls' rules (parents precede their nodes, "
+        "tokens in [0, V), history ids in [0, V) strictly ascending with counts >= 0, "
+        "0 <= history_len <= H, suppress ids in [0, V)); build the history with NodeHistory"
     ),
 }
 
@@ -312,6 +318,34 @@ def _check_tree_inputs(logits: torch.Tensor) -> tuple[int, int, int]:
     return B, N, V
 
 
+def logit_controls(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    history_ids: torch.Tensor,
+    history_counts: torch.Tensor,
+    history_len: torch.Tensor,
+    suppress_ids: torch.Tensor,
+    suppress_below: torch.Tensor,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    status: torch.Tensor | None = None,
+) -> None:
+    """Penalise and ban each node's row of ``logits`` [B, N, V] (float32/64) in place, with
+    that node's own history (csrc/include/rheo/logit_controls.h).
+
+    tokens, parents [B, N] int32 (the tree); history_ids, history_counts [B, H] int32: the
+    sequence's distinct tokens ascending and how often each was generated, history_len [B]
+    entries in use; suppress_ids [E] int32 banned at nodes of depth < suppress_below [B]."""
+    _check_tree_inputs(logits)
+    _C.logit_controls(
+        logits, tokens, parents, history_ids, history_counts, history_len, suppress_ids,
+        suppress_below, float(repetition_penalty), float(presence_penalty),
+        float(frequency_penalty), status,
+    )  # fmt: skip
+
+
 def verification(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -323,6 +357,7 @@ def verification(
     T: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int = 0,
     step: int = 0,
     path_capacity: int | None = None,
@@ -342,8 +377,8 @@ def verification(
     )
     _C.verification(
         logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
-        _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, seed, step,
-        out.accept_path, out.accept_len, out.bonus_token, status,
+        _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, float(min_p),
+        seed, step, out.accept_path, out.accept_len, out.bonus_token, status,
     )  # fmt: skip
     return out
 
@@ -359,6 +394,7 @@ def verification_law(
     T: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact law of the walk (CPU): accept_prob [B, N] and emit_prob [B, N, V].
 
@@ -371,7 +407,7 @@ def verification_law(
     emit_prob = torch.empty(B, N, V, dtype=acc)
     _C.verification_law(
         logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
-        _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k,
+        _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, float(min_p),
         accept_prob, emit_prob,
     )  # fmt: skip
     return accept_prob, emit_prob

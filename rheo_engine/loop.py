@@ -20,7 +20,7 @@ import torch
 from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.draft import Drafter, DraftTree, draft_tree
-from rheo_engine.verify import Outcome, read_outcome, verify_tree
+from rheo_engine.verify import History, Outcome, control_logits, read_outcome, verify_tree
 
 
 class TargetModel(Protocol):
@@ -123,6 +123,7 @@ class StepResult:
     verdict: kernels.Verdict  # on the device
     outcome: Outcome  # its host copy, read once
     times: StepTimes
+    logits: torch.Tensor | None = None  # the tree's controlled target logits (for logprobs)
 
     @property
     def emitted(self) -> list[list[int]]:
@@ -172,6 +173,7 @@ def speculative_step(
     step: int,
     draft_to_target: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    history: History | None = None,
 ) -> StepResult:
     """One step for B sequences: draft a tree per root, verify it, accept, commit.
 
@@ -181,6 +183,8 @@ def speculative_step(
     one status word, read with the verdict by read_outcome; the commits and the emitted tokens
     then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the device),
     so that a run of steps keeps its buffers at fixed addresses; None allocates one.
+    ``history`` (B = 1): the sequence so far, for the penalties and min_new_tokens' ban, which
+    logit controls apply at every node with its own history before verification.
     """
     clock, times, timed = _Clock(), StepTimes(), _TimedDrafter(drafter)
     # [1] int32, the step's kernels OR into it
@@ -192,6 +196,7 @@ def speculative_step(
     times.draft_s = clock.lap() - timed.elapsed
     logits, features = target.forward_tree(dt.tree)
     times.target_s = clock.lap()
+    logits = control_logits(logits, dt.tree, history, status)
     verdict = verify_tree(logits, dt, cfg.method, sampling, seed, step, status)
     outcome = read_outcome(dt.tree, verdict, status)  # the step's one host read; raises on bad
     times.verify_s = clock.lap()
@@ -199,7 +204,7 @@ def speculative_step(
     times.head_s = timed.elapsed + clock.lap()
     target.commit(dt.tree, verdict, outcome)
     times.commit_s = clock.lap()
-    return StepResult(dt, verdict, outcome, times)
+    return StepResult(dt, verdict, outcome, times, logits)
 
 
 @dataclass

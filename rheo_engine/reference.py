@@ -290,10 +290,69 @@ def tree_attention_ref(
 _RESUM_BELOW = 1e-6  # as kResumBelow in csrc/cpu/verification.cpp
 
 
-def process_logits_ref(
-    logits_row: torch.Tensor, T: float, top_p: float = 1.0, top_k: int = 0
+def penalise_ref(
+    logits_row: torch.Tensor,
+    prompt: list[int],
+    generated: list[int],
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    ban: list[int] = (),
 ) -> torch.Tensor:
-    """The processed target p [V] float64: logits / T -> top-k -> top-p (T = 0: greedy one-hot)."""
+    """A row of logits after the history controls, as plain sampling applies them after
+    ``prompt + generated``: HF's repetition penalty over every token of the sequence, then
+    OpenAI's presence / frequency penalties over the generated tokens' counts, then ``ban``
+    (min_new_tokens' EOS ids) at the lowest finite value (logit_controls.h)."""
+    x = logits_row.clone()
+    seen = sorted(set(prompt) | set(generated))
+    if seen:  # tensor ops in the row's dtype, as HF's processor and vLLM's penalties run
+        idx = torch.tensor(seen)
+        score = x[idx]
+        score = torch.where(score < 0, score * repetition_penalty, score / repetition_penalty)
+        counts = torch.tensor([generated.count(v) for v in seen], dtype=x.dtype)
+        score = score - torch.tensor(frequency_penalty, dtype=x.dtype) * counts
+        score = score - torch.tensor(presence_penalty, dtype=x.dtype) * (counts > 0).to(x.dtype)
+        x[idx] = score
+    for v in ban:
+        x[v] = torch.finfo(x.dtype).min
+    return x
+
+
+def logit_controls_ref(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    prompt: list[int],
+    generated: list[int],
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    ban: list[int] = (),
+    min_new_tokens: int = 0,
+) -> torch.Tensor:
+    """Every node's row [1, N, V] controlled with its own history: the sequence so far followed
+    by the tokens on its path from the root (excluded) to itself (included)."""
+    out = logits.clone()
+    toks, pars = tokens[0].tolist(), parents[0].tolist()
+    for i in range(len(toks)):
+        path, j = [], i
+        while j > 0:
+            path.append(toks[j])
+            j = pars[j]
+        path.reverse()
+        banned = list(ban) if len(generated) + len(path) < min_new_tokens else []
+        out[0, i] = penalise_ref(
+            logits[0, i], prompt, generated + path, repetition_penalty, presence_penalty,
+            frequency_penalty, banned,
+        )  # fmt: skip
+    return out
+
+
+def process_logits_ref(
+    logits_row: torch.Tensor, T: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+) -> torch.Tensor:
+    """The processed target p [V] float64: logits / T -> top-k -> top-p -> min-p (T = 0: greedy
+    one-hot)."""
     x = logits_row.to(torch.float64)
     V = x.numel()
     if T == 0:
@@ -313,6 +372,9 @@ def process_logits_ref(
         keep = torch.zeros(V, dtype=torch.bool)
         keep[order[before < top_p]] = True
         p = torch.where(keep, p, 0.0) / p[keep].sum()
+    if min_p > 0.0:  # HF MinPLogitsWarper: drop p < min_p * max p
+        p = torch.where(p >= min_p * p.max(), p, 0.0)
+        p = p / p.sum()
     return p
 
 
@@ -387,6 +449,7 @@ def verification_ref(
     T: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int = 0,
     step: int = 0,
     path_capacity: int | None = None,
@@ -403,7 +466,7 @@ def verification_ref(
         )
         path, node = [0], 0
         while True:
-            w = process_logits_ref(logits[b, node], T, top_p, top_k).tolist()
+            w = process_logits_ref(logits[b, node], T, top_p, top_k, min_p).tolist()
             order, y_pos = _children_in_order(par, samp, node, method)
             coin = lambda j, node=node: verify_coin(seed, step, b, N, node, j)  # noqa: E731
             child, _ = _layer_ref(
@@ -440,6 +503,7 @@ def verification_law_ref(
     T: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact law of the walk: accept_prob [B, N] and emit_prob [B, N, V] (float64)."""
     B, N, V = logits.shape
@@ -451,7 +515,7 @@ def verification_law_ref(
         )
         accept[b, 0] = 1.0
         for node in range(N):
-            w = process_logits_ref(logits[b, node], T, top_p, top_k).tolist()
+            w = process_logits_ref(logits[b, node], T, top_p, top_k, min_p).tolist()
             order, y_pos = _children_in_order(par, samp, node, method)
             reach = [1.0]  # P(every test so far rejected | node visited)
 

@@ -6,6 +6,9 @@ it and reads a verdict back (read_outcome): the one host read of a decode step.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +28,91 @@ def _q_tilde_like(dt: DraftTree, logits: torch.Tensor) -> torch.Tensor:
     return dt.q_tilde.to(acc)
 
 
+class History:
+    """One sequence's history as logit controls read it (DESIGN.md §2.4): the prompt's distinct
+    tokens, how often each token was generated, and min_new_tokens' ban of the EOS ids.
+
+    Each node of a step's tree adds its own path to this (kernels.logit_controls), so the
+    controls at a node are those plain sampling would apply after that node's history. The
+    root's token is part of it already: the last prompt token at the first step, else the last
+    emitted token. ``extend`` with every step's emitted tokens.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        ban_ids: Iterable[int] = (),
+        min_new_tokens: int = 0,
+    ) -> None:
+        self.sampling = sampling
+        self.prompt = frozenset(prompt_ids)
+        self.counts: Counter[int] = Counter()
+        self.generated = 0
+        self.ban_ids = sorted(set(ban_ids))
+        self.min_new_tokens = min_new_tokens
+        self._inputs: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def banning(self) -> bool:
+        """Whether min_new_tokens still bans the EOS ids somewhere in the next tree."""
+        return bool(self.ban_ids) and self.generated < self.min_new_tokens
+
+    @property
+    def active(self) -> bool:
+        """Whether the next step's rows need logit controls at all."""
+        return self.sampling.penalised or self.banning
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        self.counts.update(tokens)
+        self.generated += len(tokens)
+        self._inputs = None
+
+    def kernel_inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(history_ids [1, H], history_counts [1, H], history_len [1], suppress_ids [E],
+        suppress_below [1]) for kernels.logit_controls: one upload, rebuilt after ``extend``."""
+        if self._inputs is None or self._inputs[0].device != device:
+            ids = sorted(self.prompt | self.counts.keys()) if self.sampling.penalised else []
+            below = max(0, self.min_new_tokens - self.generated) if self.ban_ids else 0
+            # One int32 upload: ids, counts, then len, below and the ban ids.
+            flat = torch.tensor(
+                [*ids, *(self.counts[v] for v in ids), len(ids), below, *self.ban_ids],
+                dtype=torch.int32,
+            ).to(device)
+            H = len(ids)
+            self._inputs = (
+                flat[:H].view(1, H),
+                flat[H : 2 * H].view(1, H),
+                flat[2 * H : 2 * H + 1],
+                flat[2 * H + 2 :],
+                flat[2 * H + 1 : 2 * H + 2],
+            )
+        return self._inputs
+
+
+def control_logits(
+    logits: torch.Tensor,
+    tree: kernels.Tree,
+    history: History | None,
+    status: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The tree's target logits [1, N, V] with the history controls applied at every node, each
+    with its own history (in place for float32/64 rows; bf16/fp16 rows are first widened to
+    float32, as HF's processors run in float32). Unchanged when no control is active."""
+    if history is None or not history.active:
+        return logits
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    ids, counts, length, ban, below = history.kernel_inputs(logits.device)
+    s = history.sampling
+    kernels.logit_controls(
+        logits, tree.tokens, tree.parents, ids, counts, length, ban, below,
+        s.repetition_penalty, s.presence_penalty, s.frequency_penalty, status,
+    )  # fmt: skip
+    return logits
+
+
 def verify_tree(
     logits: torch.Tensor,
     dt: DraftTree,
@@ -39,8 +127,8 @@ def verify_tree(
     t = dt.tree
     return kernels.verification(
         logits, t.tokens, t.parents, t.sampled_row, dt.q_tilde_ids, _q_tilde_like(dt, logits),
-        _kernel_method(method), sampling.temperature, sampling.top_p, sampling.top_k, seed, step,
-        path_capacity=t.retrieve_indices.shape[2], status=status,
+        _kernel_method(method), sampling.temperature, sampling.top_p, sampling.top_k,
+        sampling.min_p, seed, step, path_capacity=t.retrieve_indices.shape[2], status=status,
     )  # fmt: skip
 
 
@@ -52,6 +140,7 @@ def verify_law(
     return kernels.verification_law(
         logits, t.tokens, t.parents, t.sampled_row, dt.q_tilde_ids, _q_tilde_like(dt, logits),
         _kernel_method(method), sampling.temperature, sampling.top_p, sampling.top_k,
+        sampling.min_p,
     )  # fmt: skip
 
 
@@ -114,3 +203,66 @@ def read_outcome(
         depth=[r[3 + 2 * P :] for r in rows],
         status=rows[0][2],
     )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the distribution it was drawn from, and the
+    ``top`` most likely tokens of that distribution as (token, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def processed_log_probs(rows: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """log p [n, V] float32 of controlled logit rows [n, V] under the verifier's processing
+    (temperature -> top-k -> top-p -> min-p, verification.h; -inf where p = 0). Greedy (T = 0)
+    reports log_softmax of the controlled logits, as HF's scores of greedy search do: the
+    one-hot p would say 0 for every emitted token."""
+    x = rows.float()
+    if sampling.greedy:
+        return torch.log_softmax(x, dim=-1)
+    x = x / sampling.temperature
+    V = x.shape[-1]
+    if 0 < sampling.top_k < V:
+        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    logp = torch.log_softmax(x, dim=-1)
+    if sampling.top_p < 1.0:  # keep while the mass before (descending, ties by id) < top_p
+        p = logp.exp()
+        order = torch.sort(p, dim=-1, descending=True, stable=True).indices
+        before = torch.cumsum(p.gather(-1, order), -1) - p.gather(-1, order)
+        drop = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before >= sampling.top_p)
+        logp = torch.log_softmax(logp.masked_fill(drop, -math.inf), dim=-1)
+    if sampling.min_p > 0.0:
+        floor = logp.max(dim=-1, keepdim=True).values + math.log(sampling.min_p)
+        logp = torch.log_softmax(logp.masked_fill(logp < floor, -math.inf), dim=-1)
+    return logp
+
+
+def emitted_logprobs(
+    logits: torch.Tensor, outcome: Outcome, sampling: SamplingConfig, top: int = 0
+) -> list[TokenLogprob]:
+    """Log-probabilities of the step's emitted tokens (batch entry 0), each under the processed
+    distribution at the node it was drawn from: the accepted path's nodes in order (the token
+    after node path[j] is tokens[path[j + 1]], the last one the bonus token). ``logits`` are
+    the step's controlled logits [1, N, V]. A second host read, made only when asked for."""
+    n = outcome.accept_len[0]
+    nodes = torch.tensor(outcome.accept_path[0][:n], device=logits.device)
+    logp = processed_log_probs(logits[0].index_select(0, nodes), sampling)
+    emitted = outcome.emitted[0]
+    chosen = logp.gather(1, torch.tensor(emitted, device=logits.device).view(n, 1))
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.shape[1]), dim=-1)
+        host = torch.cat((chosen, values), 1).tolist(), ids.tolist()
+    else:
+        host = chosen.tolist(), [[] for _ in range(n)]
+    out = []
+    for j, token in enumerate(emitted):
+        row, top_ids = host[0][j], host[1][j]
+        alternatives = tuple(
+            (t, v) for t, v in zip(top_ids, row[1:], strict=True) if v != -math.inf
+        )
+        out.append(TokenLogprob(token, row[0], alternatives))
+    return out

@@ -97,10 +97,46 @@ def test_matches_reference(method, T, top_p, top_k):
         args = random_trees(3, N, V, seed=seed, dtype=dtype)
         for step in range(2):
             got = kernels.verification(*args, method, T, top_p, top_k, seed=11, step=step)
-            want = reference.verification_ref(*args, method, T, top_p, top_k, 11, step)
+            want = reference.verification_ref(*args, method, T, top_p, top_k, seed=11, step=step)
             assert torch.equal(got.accept_path, want[0]), (V, step)
             assert torch.equal(got.accept_len, want[1]), (V, step)
             assert torch.equal(got.bonus_token, want[2]), (V, step)
+
+
+MIN_P_CASES = [
+    ("rheo", 1.0, 1.0, 0, 0.05),
+    ("rheo", 0.7, 0.9, 3, 0.3),
+    ("topk", 1.3, 1.0, 0, 0.2),
+    ("rrsw", 1.0, 0.8, 0, 0.1),
+    ("rheo", 0.0, 1.0, 0, 0.5),
+]
+
+
+@pytest.mark.parametrize("method,T,top_p,top_k,min_p", MIN_P_CASES)
+def test_min_p_matches_reference(method, T, top_p, top_k, min_p):
+    """Min-p after top-p (HF's order) in the sampling walk, on the float and double paths."""
+    for V, N, dtype in [(5, 7, torch.float64), (111, 20, torch.float32), (1000, 13, torch.float32)]:
+        args = random_trees(3, N, V, seed=V + int(100 * min_p), dtype=dtype)
+        for step in range(3):
+            got = kernels.verification(*args, method, T, top_p, top_k, min_p, seed=5, step=step)
+            want = reference.verification_ref(
+                *args, method, T, top_p, top_k, min_p, seed=5, step=step
+            )
+            assert torch.equal(got.accept_path, want[0]), (V, step)
+            assert torch.equal(got.bonus_token, want[2]), (V, step)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_min_p_law_matches_reference(method):
+    args = random_trees(2, 16, 111, seed=17, dtype=torch.float64)
+    for T, top_p, top_k, min_p in [(1.0, 1.0, 0, 0.05), (0.7, 0.9, 3, 0.2), (1.5, 1.0, 0, 0.5)]:
+        acc, emit = kernels.verification_law(*args, method, T, top_p, top_k, min_p)
+        acc_ref, emit_ref = reference.verification_law_ref(*args, method, T, top_p, top_k, min_p)
+        torch.testing.assert_close(acc, acc_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(emit, emit_ref, rtol=0, atol=1e-12)
+        # min-p bites: fewer (node, token) outcomes are possible than without it
+        _, emit0 = kernels.verification_law(*args, method, T, top_p, top_k)
+        assert (emit > 0).sum() < (emit0 > 0).sum()
 
 
 def test_accepts_and_rejects_happen():

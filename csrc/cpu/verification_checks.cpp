@@ -65,6 +65,8 @@ void verification_check_scalars(const VerificationArgs& a) {
   RHEO_CHECK(a.top_p > 0.0 && a.top_p <= 1.0, "top_p=", a.top_p, " must be in (0, 1]; use 1.0 "
              "to disable");
   RHEO_CHECK(a.top_k >= 0, "top_k=", a.top_k, " must be >= 0; use 0 to disable");
+  RHEO_CHECK(a.min_p >= 0.0 && a.min_p < 1.0, "min_p=", a.min_p, " must be in [0, 1); use 0 to "
+             "disable");
   const int32_t m = static_cast<int32_t>(a.method);
   RHEO_CHECK(m >= 0 && m <= 2, "method=", m, " must be 0 (topk), 1 (rrsw) or 2 (rheo)");
   RHEO_CHECK(a.R >= 0 && a.Se >= 0, "q_tilde must be [R, Se] with R, Se >= 0, got [", a.R, ", ",

@@ -1,5 +1,5 @@
 // Verification on the CPU, steps 0 and 1 at a visited node (header "Target processing"): its row
-// of logits into the processed target p (temperature -> top-k -> top-p), held as the residual
+// of logits into the processed target p (temperature -> top-k -> top-p -> min-p), held as the residual
 // r = w / Z that verification.cpp's layer of tests starts from. Two paths: double throughout
 // (fp64 logits, T = 0) and the float path of the fp32 / bf16 / fp16 rows at T > 0.
 #include <algorithm>
@@ -136,6 +136,17 @@ void apply_top_p(double* p, int64_t V, double top_p, int32_t* ids) {
   divide_by(p, V, kept);
 }
 
+// Min-p after top-p (HF's order): drop the w < min_p * max w (the ratio p(v) / max p does not
+// depend on the normalisation, so w may be unnormalised). Returns the new sum; *nnz the count.
+double apply_min_p(double* w, int64_t V, double min_p, int64_t* nnz) {
+  double best = 0.0;
+  for (int64_t v = 0; v < V; ++v) best = w[v] > best ? w[v] : best;
+  const double threshold = min_p * best;
+  for (int64_t v = 0; v < V; ++v) w[v] = w[v] >= threshold ? w[v] : 0.0;
+  *nnz = count_positive(w, V);
+  return sum4(w, V);
+}
+
 // Step 1: the processed target p at a loaded node (header "Target processing"), into r.
 void process_target(const VerificationArgs& a, Workspace& ws, Residual& r) {
   const int64_t V = a.V;
@@ -162,7 +173,13 @@ void process_target(const VerificationArgs& a, Workspace& ws, Residual& r) {
   const double sum = sum4(p, V);
   divide_by(p, V, sum);
   if (a.top_p < 1.0) apply_top_p(p, V, a.top_p, ws.ids.get());
-  r = {p, 1.0, count_positive(p, V), V, 1.0};
+  int64_t nnz = 0;
+  if (a.min_p > 0.0) {
+    divide_by(p, V, apply_min_p(p, V, a.min_p, &nnz));
+  } else {
+    nnz = count_positive(p, V);
+  }
+  r = {p, 1.0, nnz, V, 1.0};
 }
 
 // The fp32 / bf16 / fp16 path at T > 0 (acc_t = float in the header): the row is read in place
@@ -279,6 +296,10 @@ bool float_target(const VerificationArgs& a, const Elem* x, Workspace& ws, Resid
     divide_by(w, V, sum);
     apply_top_p(w, V, a.top_p, ws.ids.get());
     r = {w, 1.0, count_positive(w, V), V, 1.0};
+  }
+  if (a.min_p > 0.0) {
+    const double kept = apply_min_p(w, V, a.min_p, &nnz);
+    r = {w, kept, nnz, V, kept};
   }
   return true;
 }

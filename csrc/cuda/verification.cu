@@ -159,7 +159,7 @@ __device__ void begin_node(const VerificationArgs& a, int64_t b, int64_t node,
   const int32_t* tokens = a.tokens + b * a.N;
   const float inv_T = inv_temperature(a.T);
   for (int64_t k = threadIdx.x; k < n; k += kThreads)
-    r.ce[k] = target_weight<Row>(sh.st, x, tokens[r.order[k]], a.T, inv_T);
+    r.ce[k] = target_weight<Row>(sh.st, x, tokens[r.order[k]], a.T, inv_T, a.min_p);
   __syncthreads();
 }
 
@@ -171,7 +171,7 @@ __device__ void resum_if_cancelled(const VerificationArgs& a, int64_t b, int64_t
   const float inv_T = inv_temperature(a.T);
   double z = 0.0;
   for (int64_t v = threadIdx.x; v < a.V; v += kThreads)
-    z += residual_at(r, sh, static_cast<int32_t>(v), target_weight<Row>(sh.st, x, v, a.T, inv_T));
+    z += residual_at(r, sh, static_cast<int32_t>(v), target_weight<Row>(sh.st, x, v, a.T, inv_T, a.min_p));
   z = block_sum(z, sh.row);
   if (threadIdx.x == 0) sh.Z = z;
   __syncthreads();
@@ -192,7 +192,7 @@ __device__ bool sampled_test(const VerificationArgs& a, int64_t b, int64_t node,
     const int32_t id = ids[s];
     const double q = q_tilde_at(a, row * a.Se + s);
     r.q[s] = q;
-    const double w = residual_at(r, sh, id, target_weight<Row>(sh.st, x, id, a.T, inv_T));
+    const double w = residual_at(r, sh, id, target_weight<Row>(sh.st, x, id, a.T, inv_T, a.min_p));
     const double zq = Z * q;
     if (id == token) q_y += q;
     removed += fmin(w, zq);
@@ -263,7 +263,7 @@ __device__ int32_t draw_from(const VerificationArgs& a, int64_t b, int64_t node,
   const int64_t hit = find_crossing(
       a.V,
       [&](int64_t v) {
-        return residual_at(r, sh, static_cast<int32_t>(v), target_weight<Row>(st, x, v, a.T, inv_T));
+        return residual_at(r, sh, static_cast<int32_t>(v), target_weight<Row>(st, x, v, a.T, inv_T, a.min_p));
       },
       [&](double total) { return coin * total; }, sh.row);
   return static_cast<int32_t>(hit < 0 ? 0 : hit);

@@ -110,16 +110,18 @@ __device__ __forceinline__ float inv_temperature(double T) {
   return T > 0.0 ? static_cast<float>(1.0 / T) : 1.0f;  // the CPU float path's inv_T
 }
 
-// p at token v of a node before its tests, unnormalised (p = e / Z0).
+// p at token v of a node before its tests, unnormalised (p = e / Z0). Min-p keeps e >= min_p:
+// the max token's e is exactly 1 (exp of 0) and top-k / top-p always keep it, so e / max e = e.
 template <typename Row>
 __device__ __forceinline__ double target_weight(const NodeStats& st, const typename Row::Elem* x,
-                                                int64_t v, double T, float inv_T) {
+                                                int64_t v, double T, float inv_T, double min_p) {
   if (T == 0.0) return v == st.argmax ? 1.0 : 0.0;
   const typename Row::Elem l = x[v];
   const typename Row::C c = Row::value(l, T);
   const u64 k = Row::key(l, c);
   if (k < st.kth || k < st.tau || (k == st.tau && v > st.last_tie)) return 0.0;
-  return Row::weight(c, static_cast<typename Row::C>(st.m), inv_T);
+  const double e = Row::weight(c, static_cast<typename Row::C>(st.m), inv_T);
+  return e >= min_p ? e : 0.0;
 }
 
 __device__ double q_tilde_at(const VerificationArgs& a, int64_t i) {
@@ -403,7 +405,7 @@ __device__ __forceinline__ int mass_bits(int64_t V) {
 // descent over the fixed-point masses of the kept tokens (integers: exact and order-free), then
 // the ties kept at the threshold in id order.
 template <typename Row>
-__device__ void row_stats(const VerificationArgs& a, int64_t row, RowShared& sh) {
+__device__ void filtered_stats(const VerificationArgs& a, int64_t row, RowShared& sh) {
   using Elem = typename Row::Elem;
   using C = typename Row::C;
   const Elem* x = static_cast<const Elem*>(a.logits) + row * a.V;
@@ -588,6 +590,29 @@ __device__ void row_stats(const VerificationArgs& a, int64_t row, RowShared& sh)
   st.nnz = static_cast<int32_t>(above_cnt + keep);
   st.z = static_cast<double>(above + keep * q_tau) / scale;
   return write_stats(st, sh);
+}
+
+// The processed target's stats (header "Target processing"): filtered_stats (temperature, top-k,
+// top-p), then min-p, HF's order: of the tokens top-p kept, those with p < min_p * max p go, i.e.
+// e < min_p (target_weight's rule); one more pass sums and counts the e that stay.
+template <typename Row>
+__device__ void row_stats(const VerificationArgs& a, int64_t row, RowShared& sh) {
+  filtered_stats<Row>(a, row, sh);
+  if (a.T == 0.0 || a.min_p <= 0.0 || sh.st.bad) return;
+  const NodeStats st = sh.st;
+  const typename Row::Elem* x = static_cast<const typename Row::Elem*>(a.logits) + row * a.V;
+  const float inv_T = inv_temperature(a.T);
+  double s = 0.0;
+  int64_t n = 0;
+  for (int64_t v = threadIdx.x; v < a.V; v += kThreads) {
+    const double e = target_weight<Row>(st, x, v, a.T, inv_T, a.min_p);
+    s += e;
+    n += e > 0.0;
+  }
+  const double z = block_sum(s, sh);
+  const int64_t nnz = block_sum_i(n, sh);
+  if (threadIdx.x == 0) sh.st.z = z, sh.st.nnz = static_cast<int32_t>(nnz);
+  __syncthreads();
 }
 
 }  // namespace

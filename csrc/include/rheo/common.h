@@ -59,6 +59,7 @@ enum StatusBit : int32_t {
   kStatusBadTree = 8,          // build_tree: parents, ancestor closure, depth or prefix_len
   kStatusNonFiniteTarget = 16, // verification: a NaN/inf target logit at a visited node
   kStatusBadVerifyInput = 32,  // verification: the tree or the q~ table breaks its rules
+  kStatusBadControls = 64,     // logit controls: the tree or the history breaks its rules
 };
 
 // Element type of a logits / activation buffer. kFloat64 exists for the exact (float64) tests.

@@ -13,8 +13,11 @@
 //
 // Target processing at a visited node (HF order): logits / T, then top-k (keep the logits >= the
 // k-th largest; 0 = off), then top-p (sort by p descending, ties by lower id; keep a token when
-// the mass strictly before it is < top_p; top_p = 1 = off), renormalise. T = 0 is greedy: p is
-// one-hot on the argmax (lowest id on ties) for every method.
+// the mass strictly before it is < top_p; top_p = 1 = off), then min-p (of those, drop the
+// tokens with p < min_p * max p; 0 = off), renormalise. T = 0 is greedy: p is one-hot on the
+// argmax (lowest id on ties) for every method. History-dependent controls (repetition, presence
+// and frequency penalties, min_new_tokens) are applied to each node's row before this kernel,
+// by logit_controls (logit_controls.h), with that node's own history.
 //
 // One layer at visited node i with children c_0..c_{k-1} in node order (r is the residual):
 //   kTopK : r = p; for each child: accept with prob r(c); else r(c) = 0, r = norm(r).
@@ -53,7 +56,7 @@
 // analysis): accept_prob[b, i] = P(walk moves into node i | its parent is visited) (root: 1),
 // emit_prob[b, i, v] = P(walk stops at node i and emits v | node i is visited). Both acc_t.
 //
-// Rules: B, N >= 1; V >= 1; T >= 0; 0 < top_p <= 1; top_k >= 0; logits finite at visited nodes
+// Rules: B, N >= 1; V >= 1; T >= 0; 0 < top_p <= 1; top_k >= 0; 0 <= min_p < 1; logits finite at visited nodes
 // (a NaN/inf raises); every sampled node's token must be in its support with q~ > 0.
 #pragma once
 
@@ -84,6 +87,7 @@ struct VerificationArgs {
   double T = 1.0;
   double top_p = 1.0;
   int32_t top_k = 0;
+  double min_p = 0.0;
   uint64_t seed = 0;
   uint64_t step = 0;
   // outputs of verification_cpu / _cuda
