@@ -18,9 +18,9 @@ pinned_ok() {
   "$PY" - "$1" <<'PYEOF'
 import sys
 from importlib import metadata
-groups = {"runtime": ["numpy", "safetensors", "sentencepiece", "tiktoken", "ninja", "setuptools",
-                      "wheel"],
-          "test": ["pytest", "transformers", "tokenizers", "huggingface_hub"]}
+groups = {"runtime": ["numpy", "safetensors", "sentencepiece", "tiktoken", "tokenizers", "jinja2",
+                      "markupsafe", "ninja", "setuptools", "wheel"],
+          "test": ["pytest", "transformers", "huggingface_hub", "protobuf"]}
 pins = dict(line.split("#")[0].strip().split("==") for line in open("constraints.txt")
             if "==" in line.split("#")[0])
 def have(name):
@@ -47,8 +47,8 @@ setup() {
   fi
   # Every pinned package at its pinned version (constraints.txt), installed only when one differs.
   pinned_ok runtime ||
-    "$PY" -m pip install -q -c constraints.txt numpy safetensors sentencepiece tiktoken ninja \
-      setuptools wheel
+    "$PY" -m pip install -q -c constraints.txt numpy safetensors sentencepiece tiktoken tokenizers \
+      jinja2 markupsafe ninja setuptools wheel
   if "$PY" - <<'PYEOF'
 import glob, os, sys
 so = glob.glob("rheo_engine/_C*.so")
@@ -73,10 +73,11 @@ case "$job" in
     exec "$PY" -m rheo_engine.generate "$@" ;;
   demo) exec "$PY" -m rheo_engine.demo "$@" ;;
   test)
-    # Test-only dependencies at their pinned versions: pytest, and HF transformers as the
-    # reference Llama. -rs lists the reason of every skipped test in the summary.
+    # Test-only dependencies at their pinned versions: pytest, HF transformers as the reference
+    # Llama and tokenizer, protobuf for its SentencePiece converter (tests/hf_layouts.py).
+    # -rs lists the reason of every skipped test in the summary.
     pinned_ok test ||
-      "$PY" -m pip install -q -c constraints.txt pytest transformers tokenizers huggingface_hub
+      "$PY" -m pip install -q -c constraints.txt pytest transformers huggingface_hub protobuf
     exec "$PY" -m pytest -q -rs tests "$@" ;;
   setup) "$PY" -m rheo_engine.info ;;
   *) echo "usage: bash rheo.sh [generate|test|demo|setup] [args...]" >&2; exit 2 ;;

@@ -87,7 +87,7 @@ setup(
     description="Lossless speculative decoding with RheoSampling over EAGLE-3 draft trees",
     packages=["rheo_engine"],
     python_requires=">=3.10",
-    install_requires=["numpy", "safetensors", "sentencepiece", "tiktoken"],
+    install_requires=["numpy", "safetensors", "sentencepiece", "tiktoken", "tokenizers", "jinja2"],
     ext_modules=[EXTENSION],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

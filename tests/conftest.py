@@ -190,3 +190,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     torch.set_num_threads(1)
     yield Engine.from_pretrained(*write_tiny_pair(tmp_path_factory.mktemp("tiny")))
     torch.set_num_threads(threads)
+
+
+# --- Hugging Face tokenizer directories (tests/hf_layouts.py; session-scoped, built once) -------
+
+from hf_layouts import (  # noqa: E402, F401
+    _llama3_tokenizer_json,
+    hf_deepseek_dir,
+    hf_default_dir,
+    hf_llama2_dir,
+    hf_llama31_dir,
+    hf_tiny_deepseek_dir,
+    hf_tiny_llama31_dir,
+)
