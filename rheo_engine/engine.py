@@ -19,12 +19,14 @@ import torch
 from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.draft import draft_tree, pool_kind, root_only_tree
+from rheo_engine.io.generation_config import GenerationDefaults
 from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.kv_cache import KVCache
 from rheo_engine.loop import StepTimes, resolve_seed, speculative_step
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.stops import StopStrings, check_stop
 from rheo_engine.tree_policy import (
     AutoTree,
     CostProfile,
@@ -35,7 +37,7 @@ from rheo_engine.tree_policy import (
     profile_key,
     topk_choices,
 )
-from rheo_engine.verify import Outcome, verify_tree
+from rheo_engine.verify import History, Outcome, TokenLogprob, emitted_logprobs, verify_tree
 
 TREES = ("auto", "fixed")
 
@@ -53,12 +55,20 @@ class Generation:
     accept_lengths: list[int]
     method: str
     wall_s: float
-    stop_reason: str  # "eos", "max_new_tokens" or "context"
+    stop_reason: str  # "eos", "stop" (a stop string), "max_new_tokens" or "context"
     seed: int  # the Philox seed used (fresh for seed=None/-1): pass it back to reproduce the run
     times: StepTimes = field(default_factory=StepTimes)
     prefill_s: float = 0.0
     tree: str = "auto"  # "auto" (the cost model's tree per step) or "fixed"
     trees: TreeUsage = field(default_factory=TreeUsage)  # steps per tree shape, step times
+    stop_string: str | None = None  # the stop string that ended it (stop_reason "stop")
+    # With logprobs=True: per new token, its log-probability under the distribution it was
+    # drawn from (and the top_logprobs most likely tokens of that distribution).
+    logprobs: list[TokenLogprob] | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # the controls used
+    # Where each of temperature, top_p, top_k, min_p, repetition_penalty came from: "request",
+    # the target's "generation_config.json", or the engine's "default".
+    sampling_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -142,15 +152,40 @@ def _check_device(device: str | torch.device) -> torch.device:
 class Engine:
     """A Llama target, an optional EAGLE-3 head and the target's tokenizer on one device."""
 
-    def __init__(self, target: LlamaModel, head: Eagle3Head | None, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        target: LlamaModel,
+        head: Eagle3Head | None,
+        tokenizer: Tokenizer,
+        generation_config: GenerationDefaults | None = None,
+    ) -> None:
         if tokenizer.vocab_size > target.cfg.vocab_size:
             raise ValueError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the target's vocab_size is "
                 f"{target.cfg.vocab_size}; use the tokenizer.model that came with the target"
             )
         self.target, self.head, self.tokenizer = target, head, tokenizer
+        self.generation_config = generation_config
+        # A reply ends at any of the tokenizer's EOS ids or generation_config.json's (Llama-3.1
+        # Instruct: 128001, 128008 and 128009), as HF's generate and vLLM stop on their union.
+        extra = () if generation_config is None else generation_config.eos_token_ids or ()
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys((*tokenizer.eos_ids, *extra)))
         # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
         self.cost_profiles: dict[str, CostProfile] = {}
+
+    def sampling_defaults(self, given: dict) -> tuple[dict, dict[str, str]]:
+        """The sampling controls of a request: each one it gives, else generation_config.json's,
+        else the engine's default; and where each came from (for the stats line)."""
+        values, sources = {}, {}
+        for name, default in _DEFAULTS.items():
+            shipped = getattr(self.generation_config, name, None)
+            if given.get(name) is not None:
+                values[name], sources[name] = given[name], "request"
+            elif shipped is not None:
+                values[name], sources[name] = shipped, "generation_config.json"
+            else:
+                values[name], sources[name] = default, "default"
+        return values, sources
 
     @classmethod
     def from_pretrained(
@@ -178,7 +213,7 @@ class Engine:
             raise ValueError("draft= was given without target=; pass the target directory too")
         model = LlamaModel.from_pretrained(target, device=device, dtype=dtype)
         head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, dtype)
-        return cls(model, head, Tokenizer.from_dir(target))
+        return cls(model, head, Tokenizer.from_dir(target), GenerationDefaults.from_dir(target))
 
     # --- the public calls -----------------------------------------------------------------
 
@@ -193,9 +228,13 @@ class Engine:
     def stream(
         self, prompt: str | list[int], max_new_tokens: int = 128, **options
     ) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted. Options: method="rheo", temperature=1.0,
-        top_p=1.0, top_k=0, seed=None, topk=10, depth=8, total_tokens=60, leads=1,
-        support=128, chat=False, tree="auto", cost_profile=None.
+        """Yield text pieces as tokens are accepted (held back while they may still become a
+        stop string). Options: method="rheo"; the sampling controls temperature, top_p, top_k,
+        min_p, repetition_penalty (None: the target's generation_config.json, else off / 1.0),
+        presence_penalty=0, frequency_penalty=0; stop=None (a str or a list of str),
+        ignore_eos=False, min_new_tokens=0, logprobs=False, top_logprobs=0; seed=None; the tree
+        topk=10, depth=8, total_tokens=60, leads=1, support=128, tree="auto",
+        cost_profile=None; chat=False.
 
         ``tree="auto"`` (the default) lets a cost model measured on this machine pick each
         step's tree (depth <= depth, nodes <= total_tokens, topk as given) or a plain step when
@@ -209,14 +248,12 @@ class Engine:
         whatever the method: the draft head is not used at all. Near the end of the context,
         or of max_new_tokens, each step's tree shrinks to what is left, so every method emits
         as many tokens as ``ar``."""
-        decoder = self.tokenizer.stream_decoder()
-        for new_ids in self.request(prompt, max_new_tokens, **options):
-            piece = decoder.feed(new_ids)
-            if piece:
-                yield piece
-        tail = decoder.flush()
-        if tail:
-            yield tail
+        request = self.request(prompt, max_new_tokens, **options)
+        for _ in request:
+            if request.text_piece:
+                yield request.text_piece
+        if request.tail_text:
+            yield request.tail_text
 
     def request(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Request:
         """A generation to iterate step by step: yields each step's new token ids; afterwards
@@ -251,6 +288,25 @@ def _prompt_ids(prompt: object) -> list[int]:
     return [int(t) for t in prompt]
 
 
+# The controls generation_config.json may set (what vLLM reads from it), and the engine's own
+# defaults for a request that gives none.
+_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+}  # fmt: skip
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+def _count(name: str, value: object, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"{name}={value!r} ({type(value).__name__}) must be an int >= {low}; pass a whole "
+            "number of tokens"
+        )
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+    return int(value)
+
+
 class Request:
     """One generation, iterated step by step (yields the new token ids of each step)."""
 
@@ -260,9 +316,18 @@ class Request:
         prompt: str | list[int] | torch.Tensor,
         max_new_tokens: int,
         method: str = "rheo",
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,  # None: generation_config.json's, else 1.0
+        top_p: float | None = None,  # None: generation_config.json's, else 1.0 (off)
+        top_k: int | None = None,  # None: generation_config.json's, else 0 (off)
+        min_p: float | None = None,  # None: generation_config.json's, else 0 (off)
+        repetition_penalty: float | None = None,  # None: generation_config.json's, else 1 (off)
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        stop: str | list[str] | None = None,
+        ignore_eos: bool = False,
+        min_new_tokens: int = 0,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         seed: int | None = None,  # None or -1: a fresh random seed
         topk: int = 10,
         depth: int = 8,
@@ -284,7 +349,12 @@ class Request:
         self.cost_profile = cost_profile
         if isinstance(cost_profile, (str, Path)) and Path(cost_profile).exists():
             self.cost_profile = CostProfile.load(cost_profile)
-        self.sampling = SamplingConfig(temperature, top_p, top_k)
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                     repetition_penalty=repetition_penalty)  # fmt: skip
+        values, self.sampling_sources = engine.sampling_defaults(given)
+        self.sampling = SamplingConfig(
+            **values, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty
+        )
         if method != "ar" and engine.head is None:
             raise ValueError(
                 f"method={method!r} needs a draft head; load one with draft=DIR or use method='ar'"
@@ -296,6 +366,29 @@ class Request:
             )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        self.min_new_tokens = _count("min_new_tokens", min_new_tokens)
+        if self.min_new_tokens > max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={min_new_tokens} exceeds max_new_tokens={max_new_tokens}; "
+                "raise max_new_tokens or lower min_new_tokens"
+            )
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos={ignore_eos!r} must be True or False")
+        self.ignore_eos = ignore_eos
+        self.stop = check_stop(stop)
+        if not isinstance(logprobs, bool):
+            raise ValueError(
+                f"logprobs={logprobs!r} must be True or False (the number of alternatives is "
+                "top_logprobs=)"
+            )
+        self.top_logprobs = _count("top_logprobs", top_logprobs)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs={top_logprobs} must be <= {MAX_TOP_LOGPROBS}, as in OpenAI's API"
+            )
+        if self.top_logprobs and not logprobs:
+            raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True")
+        self.logprobs = logprobs
         self.prompt_ids = self._encode(prompt, chat)
         self.context = engine.target.cfg.max_position_embeddings
         # A prompt of exactly `context` tokens still gets one token: its last token runs at
@@ -310,6 +403,12 @@ class Request:
         self.result: Generation | None = None
         self.prefill_s = 0.0
         self.trees = TreeUsage()
+        # The sequence's history for the per-node controls (penalties, min_new_tokens' ban of
+        # the EOS ids), or None when nothing depends on it.
+        banned = () if ignore_eos else engine.eos_ids
+        self.history: History | None = None
+        if self.sampling.penalised or (self.min_new_tokens and banned):
+            self.history = History(self.prompt_ids, self.sampling, banned, self.min_new_tokens)
 
     def _encode(self, prompt: str | list[int] | torch.Tensor, chat: bool) -> list[int]:
         tok = self.engine.tokenizer
@@ -329,31 +428,49 @@ class Request:
         return ids
 
     def __iter__(self) -> Iterator[list[int]]:
+        """Yields each step's new token ids; ``text_piece`` is then the text they release (held
+        back while it may still turn into a stop string), ``tail_text`` the rest at the end."""
         start = time.perf_counter()
         out: list[int] = []
         accept_lengths: list[int] = []
         times = StepTimes()
-        for emitted in self._steps(times):
+        logprobs: list[TokenLogprob] | None = [] if self.logprobs else None
+        stopper = StopStrings(self.engine.tokenizer, self.stop, self.min_new_tokens)
+        texts: list[str] = []
+        self.text_piece = self.tail_text = ""
+        for emitted, step_logprobs in self._steps(times):
             new, stop, produced = self._cut(emitted, len(out))
+            piece = stopper.feed(new)
+            if piece.stop_string is not None:  # the token that completed it is the last one
+                new, stop, produced = new[: piece.used], "stop", piece.used
+            texts.append(piece.text)
+            self.text_piece = piece.text
             accept_lengths.append(produced)
             out.extend(new)
+            if logprobs is not None:
+                logprobs.extend(step_logprobs[: len(new)])
             if new:
                 yield new
             if stop:
                 break
         else:
             stop = "context"
+        if not stopper.stopped:
+            self.tail_text = stopper.finish().text
+            texts.append(self.tail_text)
         self.result = Generation(
-            text=self.engine.tokenizer.decode(out), token_ids=out, accept_lengths=accept_lengths,
+            text="".join(texts), token_ids=out, accept_lengths=accept_lengths,
             method=self.tree_cfg.method, wall_s=time.perf_counter() - start, stop_reason=stop,
             seed=self.seed, times=times, prefill_s=self.prefill_s, tree=self.tree,
-            trees=self.trees,
+            trees=self.trees, stop_string=stopper.stop_string, logprobs=logprobs,
+            sampling=self.sampling, sampling_sources=self.sampling_sources,
         )  # fmt: skip
 
     def _cut(self, emitted: list[int], have: int) -> tuple[list[int], str | None, int]:
         """The part of a step's tokens to keep, why generation stops (None: go on), and how many
-        tokens the step produced: up to and including the stop token, the rest is dropped."""
-        eos = set(self.engine.tokenizer.eos_ids)
+        tokens the step produced: up to and including the stop token, the rest is dropped. With
+        ignore_eos an EOS id is an ordinary token (kept, generation goes on)."""
+        eos = () if self.ignore_eos else self.engine.eos_ids
         left = self.max_new_tokens - have
         for i, t in enumerate(emitted[:left]):
             if t in eos:
@@ -368,8 +485,9 @@ class Request:
         cfg = self.tree_cfg
         return cfg.method != "ar" and cfg.total_tokens > 1 and self.max_new_tokens > 1
 
-    def _steps(self, times: StepTimes) -> Iterator[list[int]]:
-        """prefill, then one speculative step at a time until the context is full."""
+    def _steps(self, times: StepTimes) -> Iterator[tuple[list[int], list[TokenLogprob]]]:
+        """prefill, then one speculative step at a time until the context is full: each step's
+        emitted tokens and, with logprobs, theirs."""
         engine, cfg = self.engine, self.tree_cfg
         head = engine.head if self._uses_head() else None
         layers = head.feature_layers if head is not None else ()
@@ -407,8 +525,16 @@ class Request:
             prefix.fill_(cache.length)
             result = speculative_step(
                 runner, drafter, root, prefix, step_cfg, self.sampling, self.seed, step,
-                None if head is None else head.draft_to_target, status,
+                None if head is None else head.draft_to_target, status, self.history,
             )  # fmt: skip
+            emitted = result.emitted[0]
+            step_logprobs = []
+            if self.logprobs:
+                step_logprobs = emitted_logprobs(
+                    result.logits, result.outcome, self.sampling, self.top_logprobs
+                )
+            if self.history is not None:
+                self.history.extend(emitted)
             seconds = time.perf_counter() - start
             if policy is not None:
                 policy.observe(step_cfg, result.outcome, seconds)
@@ -416,8 +542,8 @@ class Request:
             times.add(result.times)
             root = result.verdict.bonus_token.long()
             step += 1
-            produced += len(result.emitted[0])
-            yield result.emitted[0]
+            produced += len(emitted)
+            yield emitted, step_logprobs
 
     def _policy(self, runner: _TargetRunner, drafter, root: torch.Tensor, cache: KVCache):
         """The fixed tree, or the cost model over a profile: given, cached by the engine for

@@ -18,6 +18,7 @@ import shlex
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import NoReturn
 
@@ -54,9 +55,11 @@ def default_threads(n_params: int) -> int:
 # The Python API's option names; each is the flag --name-with-dashes (parser() keeps it so and
 # tests/test_cli.py checks it against the API's signatures).
 API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method", "temperature",
-               "top_p", "top_k", "seed", "topk", "depth", "total_tokens", "leads", "support",
+               "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
+               "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
                "chat", "tree", "cost_profile")  # fmt: skip
-_SWITCHES = ("chat",)  # flags without a value (store_true)
+_SWITCHES = ("chat", "ignore_eos", "logprobs")  # flags without a value (store_true)
 _NAMES = "|".join(sorted(API_OPTIONS, key=len, reverse=True))
 # `name=value` (value: a repr'd string or a run of plain characters), not inside a longer name.
 _ASSIGN = re.compile(rf"(?<![\w./-])({_NAMES})=('(?:[^'\\]|\\.)*'|[^\s,;()\[\]]*)")
@@ -107,9 +110,41 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", metavar="DIR", help="HF Llama directory (default: embedded pair)")
     p.add_argument("--draft", metavar="DIR", help="EAGLE-3 head directory (default: embedded)")
     p.add_argument("--method", choices=METHODS, default="rheo")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    shipped = "default: the target's generation_config.json, else"
+    p.add_argument("--temperature", type=float, help=f"0 = greedy ({shipped} 1)")
+    p.add_argument("--top-p", type=float, help=f"1 = off ({shipped} 1)")
+    p.add_argument("--top-k", type=int, help=f"0 = off ({shipped} 0)")
+    p.add_argument("--min-p", type=float, help=f"drop p < min_p * max p; 0 = off ({shipped} 0)")
+    p.add_argument(
+        "--repetition-penalty", type=float,
+        help="HF's: logits of tokens in the prompt or output / r (x r if < 0); 1 = off "
+        f"({shipped} 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0,
+        help="OpenAI's: minus this for every token already in the output; 0 = off",
+    )  # fmt: skip
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0,
+        help="OpenAI's: minus this times the token's count in the output; 0 = off",
+    )  # fmt: skip
+    p.add_argument(
+        "--stop", action="append", metavar="TEXT",
+        help="stop before this text (repeat for several); it is not printed",
+    )  # fmt: skip
+    p.add_argument("--ignore-eos", action="store_true", help="go on past EOS tokens")
+    p.add_argument(
+        "--min-new-tokens", type=int, default=0,
+        help="EOS cannot be sampled (and stop strings do not count) before this many tokens",
+    )  # fmt: skip
+    p.add_argument(
+        "--logprobs", action="store_true",
+        help="with --json: each token's log-probability under the distribution it was drawn from",
+    )  # fmt: skip
+    p.add_argument(
+        "--top-logprobs", type=int, default=0, metavar="N",
+        help="with --logprobs: also the N most likely tokens at each position (N <= 20)",
+    )  # fmt: skip
     p.add_argument(
         "--seed", type=int, default=-1,
         help="Philox seed in [0, 2**64); -1 (default) draws a fresh one. The seed used is in the "
@@ -155,7 +190,11 @@ def parser() -> argparse.ArgumentParser:
 def _options(args: argparse.Namespace) -> dict:
     return dict(
         method=args.method, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, topk=args.topk, depth=args.depth, total_tokens=args.total_tokens,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        stop=args.stop, ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens,
+        logprobs=args.logprobs, top_logprobs=args.top_logprobs, seed=args.seed, topk=args.topk,
+        depth=args.depth, total_tokens=args.total_tokens,
         leads=args.leads, support=args.support, chat=args.chat, tree=args.tree,
         cost_profile=args.cost_profile,
     )  # fmt: skip
@@ -226,8 +265,29 @@ def stats_line(gen: Generation, threads: int) -> str:
         f"tau {gen.mean_accept_length:.2f}, {gen.tokens_per_s:.1f} tokens/s, seed {gen.seed}, "
         f"threads {threads} (draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target "
         f"{t.target_s:.2f}s, verify {t.verify_s:.2f}s, commit {t.commit_s:.2f}s; "
-        f"stop: {gen.stop_reason}); {gen.tree} trees {gen.trees.histogram()}" + _predicted(gen)
+        f"stop: {gen.stop_reason}); {gen.tree} trees {gen.trees.histogram()}"
+        + _predicted(gen)
+        + f"; {sampling_summary(gen)}"
     )
+
+
+_SHORT = {"temperature": "T", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+          "repetition_penalty": "repetition_penalty"}  # fmt: skip
+
+
+def sampling_summary(gen: Generation) -> str:
+    """The controls that ran, each with where it came from unless the request gave it, e.g.
+    "T 0.6 (generation_config.json), top_p 0.9 (generation_config.json), top_k 0 (default)"."""
+    parts = []
+    for name, short in _SHORT.items():
+        source = gen.sampling_sources.get(name, "request")
+        parts.append(f"{short} {getattr(gen.sampling, name):g}" + (
+            "" if source == "request" else f" ({source})"
+        ))  # fmt: skip
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(gen.sampling, name):
+            parts.append(f"{name} {getattr(gen.sampling, name):g}")
+    return "sampling " + ", ".join(parts)
 
 
 def _predicted(gen: Generation) -> str:
@@ -252,6 +312,14 @@ def as_json(gen: Generation, prompt: str, threads: int) -> dict:
         "target_s": t.target_s, "verify_s": t.verify_s, "commit_s": t.commit_s,
         "tree": gen.tree, "trees": {f"{n}/{d}": c for (d, n), c in gen.trees.shapes.items()},
         "step_measured_s": gen.trees.measured_s, "step_predicted_s": gen.trees.predicted_s,
+        "stop_string": gen.stop_string,
+        "sampling": {f.name: getattr(gen.sampling, f.name) for f in fields(gen.sampling)},
+        "sampling_sources": gen.sampling_sources,
+        **({} if gen.logprobs is None else {"logprobs": [
+            {"token": lp.token, "logprob": lp.logprob,
+             "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.top]}
+            for lp in gen.logprobs
+        ]}),
     }  # fmt: skip
 
 
@@ -285,20 +353,19 @@ class Progress:
 def run_one(engine: Engine, prompt: str, args: argparse.Namespace, progress: Progress) -> None:
     request = engine.request(prompt, args.max_new_tokens, **_options(args))
     progress.begin(request)
-    decoder = None if args.json else engine.tokenizer.stream_decoder()
     for new_ids in request:
         progress.tokens += len(new_ids)
         progress.steps += 1
-        if decoder is not None:
-            sys.stdout.write(decoder.feed(new_ids))
+        if not args.json:
+            sys.stdout.write(request.text_piece)
             sys.stdout.flush()
             progress.mid_line = True
     gen = request.result
     assert gen is not None
-    if decoder is None:
+    if args.json:
         print(json.dumps(as_json(gen, prompt, progress.threads), ensure_ascii=False))
     else:
-        print(decoder.flush())
+        print(request.tail_text)
     sys.stdout.flush()  # a closed pipe shows here, inside main's handlers
     progress.request, progress.mid_line = None, False
     print(stats_line(gen, progress.threads), file=sys.stderr)
@@ -329,6 +396,10 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
         raise BadInput(
             "--prompt and --prompt-file were both given; pass one of them (or neither, to read "
             "prompts from stdin)"
+        )
+    if args.logprobs and not args.json:
+        raise BadInput(
+            "--logprobs is reported in the JSON output only; add --json (or drop --logprobs)"
         )
     if args.threads is not None and args.threads < 1:
         raise BadInput(f"--threads {args.threads} must be >= 1; pass 1 or more CPU threads")

@@ -192,7 +192,8 @@ def test_a_head_for_another_target_in_cli_spelling(capsys, other_target):
     code, _, err = run(capsys, "--target", str(other_target), "--draft", str(DRAFT), "--prompt",
                        "x")  # fmt: skip
     line = one_error_line(err)
-    assert code == 2 and "num_hidden_layers=4: the head belongs to another target" in line
+    assert code == 2 and "for a target with num_hidden_layers=4 (" in line
+    assert "): the head belongs to another target" in line
     assert "(--draft DIR) or load the head's own target (--target DIR)" in line
 
 

@@ -143,7 +143,7 @@ def test_tokens_drafted_past_an_eos_do_not_count(tiny, monkeypatch, at):
         pytest.fail("no run of the chain trees accepted two drafts in a step")
     k = found[0]
     eos = gen.token_ids[starts[k] + at]
-    monkeypatch.setattr(tiny.tokenizer, "eos_ids", (eos,))
+    monkeypatch.setattr(tiny, "eos_ids", (eos,))
     cut = tiny.generate(PROMPT, 30, method="rheo", temperature=1.0, seed=seed, **CHAIN, **FIXED)
     assert cut.stop_reason == "eos" and cut.token_ids == gen.token_ids[: starts[k] + at]
     assert cut.accept_lengths == gen.accept_lengths[:k] + [at + 1]
