@@ -234,7 +234,10 @@ class Engine:
         presence_penalty=0, frequency_penalty=0; stop=None (a str or a list of str),
         ignore_eos=False, min_new_tokens=0, logprobs=False, top_logprobs=0; seed=None; the tree
         topk=10, depth=8, total_tokens=60, leads=1, support=128, tree="auto",
-        cost_profile=None; chat=False.
+        cost_profile=None; chat=False (wrap a str prompt in the chat template) and
+        chat_template=None (the target's own template, else the built-in fallback; or name one:
+        "model", "vicuna_v1.1", "llama-3"). ``prompt`` may also be token ids, or a chat as
+        OpenAI-style messages [{"role": "user", "content": ...}, ...].
 
         ``tree="auto"`` (the default) lets a cost model measured on this machine pick each
         step's tree (depth <= depth, nodes <= total_tokens, topk as given) or a plain step when
@@ -262,6 +265,11 @@ class Engine:
 
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _is_messages(prompt: object) -> bool:
+    """A chat given as OpenAI-style messages: a non-empty list of dicts."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 def _prompt_ids(prompt: object) -> list[int]:
@@ -335,6 +343,7 @@ class Request:
         leads: int = 1,
         support: int = 128,
         chat: bool = False,
+        chat_template: str | None = None,
         tree: str = "auto",
         cost_profile: str | Path | CostProfile | None = None,
     ) -> None:
@@ -389,7 +398,7 @@ class Request:
         if self.top_logprobs and not logprobs:
             raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True")
         self.logprobs = logprobs
-        self.prompt_ids = self._encode(prompt, chat)
+        self.prompt_ids = self._encode(prompt, chat, chat_template)
         self.context = engine.target.cfg.max_position_embeddings
         # A prompt of exactly `context` tokens still gets one token: its last token runs at
         # position context - 1, the last one the target knows.
@@ -410,10 +419,19 @@ class Request:
         if self.sampling.penalised or (self.min_new_tokens and banned):
             self.history = History(self.prompt_ids, self.sampling, banned, self.min_new_tokens)
 
-    def _encode(self, prompt: str | list[int] | torch.Tensor, chat: bool) -> list[int]:
+    def _encode(
+        self, prompt: str | list[int] | list[dict] | torch.Tensor, chat: bool, template: str | None
+    ) -> list[int]:
         tok = self.engine.tokenizer
+        if template is not None and not chat and not _is_messages(prompt):
+            raise ValueError(
+                f"chat_template={template!r} is for chat prompts; pass chat=True or a list of "
+                "messages"
+            )
         if isinstance(prompt, str):
-            ids = tok.encode_chat([prompt]) if chat else tok.encode(prompt, bos=True)
+            ids = tok.encode_chat([prompt], template) if chat else tok.encode(prompt, bos=True)
+        elif _is_messages(prompt):  # [{"role": ..., "content": ...}, ...]: always a chat
+            ids = tok.encode_chat(prompt, template)
         else:
             ids = _prompt_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.engine.target.cfg.vocab_size]

@@ -58,7 +58,7 @@ API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method",
                "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
                "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
-               "chat", "tree", "cost_profile")  # fmt: skip
+               "chat", "chat_template", "tree", "cost_profile")  # fmt: skip
 _SWITCHES = ("chat", "ignore_eos", "logprobs")  # flags without a value (store_true)
 _NAMES = "|".join(sorted(API_OPTIONS, key=len, reverse=True))
 # `name=value` (value: a repr'd string or a run of plain characters), not inside a longer name.
@@ -180,6 +180,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument(
+        "--chat-template", metavar="NAME",
+        help="with --chat: model (the target's tokenizer_config.json / chat_template.jinja; the "
+        "default when it has one), vicuna_v1.1 or llama-3",
+    )  # fmt: skip
+    p.add_argument(
         "--json", action="store_true",
         help="print one JSON object per prompt instead of streaming (with the prompt, seed, "
         "threads and the stats)",
@@ -195,7 +200,8 @@ def _options(args: argparse.Namespace) -> dict:
         stop=args.stop, ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens,
         logprobs=args.logprobs, top_logprobs=args.top_logprobs, seed=args.seed, topk=args.topk,
         depth=args.depth, total_tokens=args.total_tokens,
-        leads=args.leads, support=args.support, chat=args.chat, tree=args.tree,
+        leads=args.leads, support=args.support, chat=args.chat, chat_template=args.chat_template,
+        tree=args.tree,
         cost_profile=args.cost_profile,
     )  # fmt: skip
 

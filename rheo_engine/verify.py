@@ -71,7 +71,8 @@ class History:
 
     def kernel_inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(history_ids [1, H], history_counts [1, H], history_len [1], suppress_ids [E],
-        suppress_below [1]) for kernels.logit_controls: one upload, rebuilt after ``extend``."""
+        suppress_below [1]) for kernels.logit_controls: one upload a step (after ``extend``),
+        from pinned memory on CUDA so that it never waits for the GPU."""
         if self._inputs is None or self._inputs[0].device != device:
             ids = sorted(self.prompt | self.counts.keys()) if self.sampling.penalised else []
             below = max(0, self.min_new_tokens - self.generated) if self.ban_ids else 0
@@ -79,7 +80,9 @@ class History:
             flat = torch.tensor(
                 [*ids, *(self.counts[v] for v in ids), len(ids), below, *self.ban_ids],
                 dtype=torch.int32,
-            ).to(device)
+            )
+            if device.type == "cuda":  # pinned + non-blocking: the host never waits on the GPU
+                flat = flat.pin_memory().to(device, non_blocking=True)
             H = len(ids)
             self._inputs = (
                 flat[:H].view(1, H),

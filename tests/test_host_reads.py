@@ -80,13 +80,15 @@ def count_reads(engine, monkeypatch, new_tokens: int = 20, **options) -> Counted
     return out
 
 
-def assert_per_step(counted: Counted, reads: int = 1) -> None:
+def assert_per_step(counted: Counted, reads: int = 1, uploads: int = 0) -> None:
     steps = counted.per_step
     assert len(steps) >= 4, f"too few decode steps to check: {steps}"
     odd = [i for i, n in enumerate(steps) if n != reads]
     where = {i: counted.where[i] for i in odd[:2]}
     assert not odd, f"host reads per step {steps} (want {reads}); the first odd steps: {where}"
-    assert counted.uploads == [0] * len(steps), f"host-to-device uploads per step {counted.uploads}"
+    assert counted.uploads == [uploads] * len(steps), (
+        f"host-to-device uploads per step {counted.uploads} (want {uploads})"
+    )
 
 
 @pytest.mark.parametrize("T", [0.0, 1.0])
@@ -96,6 +98,21 @@ def test_one_host_read_per_decode_step(default_engine, monkeypatch, method, T):
     counted = count_reads(
         default_engine, monkeypatch, method=method, temperature=T, tree="fixed", **SMALL_TREE
     )
+    assert_per_step(counted)
+
+
+@pytest.mark.parametrize("method", ["ar", "rheo"])
+def test_history_controls_read_once_and_upload_once(default_engine, monkeypatch, method):
+    """Penalties need the sequence's history at every node: the step uploads it once (after
+    the previous step's read told the host the emitted tokens) and still reads once; min_p
+    and the other history-free controls change nothing."""
+    controls = dict(repetition_penalty=1.3, frequency_penalty=0.2, min_new_tokens=12)
+    counted = count_reads(default_engine, monkeypatch, 24, method=method, temperature=1.0,
+                          tree="fixed", **SMALL_TREE, **controls)  # fmt: skip
+    assert_per_step(counted, uploads=1)
+    counted = count_reads(default_engine, monkeypatch, method=method, temperature=1.0,
+                          tree="fixed", min_p=0.05, top_k=20, ignore_eos=True,
+                          **SMALL_TREE)  # fmt: skip
     assert_per_step(counted)
 
 
