@@ -447,7 +447,8 @@ class Request:
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yields each step's new token ids; ``text_piece`` is then the text they release (held
-        back while it may still turn into a stop string), ``tail_text`` the rest at the end."""
+        back while it may still turn into a stop string), ``step_logprobs`` their logprobs (with
+        logprobs=True), and ``tail_text`` the rest of the text at the end."""
         start = time.perf_counter()
         out: list[int] = []
         accept_lengths: list[int] = []
@@ -456,6 +457,7 @@ class Request:
         stopper = StopStrings(self.engine.tokenizer, self.stop, self.min_new_tokens)
         texts: list[str] = []
         self.text_piece = self.tail_text = ""
+        self.step_logprobs: list[TokenLogprob] = []
         for emitted, step_logprobs in self._steps(times):
             new, stop, produced = self._cut(emitted, len(out))
             piece = stopper.feed(new)
@@ -466,7 +468,8 @@ class Request:
             accept_lengths.append(produced)
             out.extend(new)
             if logprobs is not None:
-                logprobs.extend(step_logprobs[: len(new)])
+                self.step_logprobs = step_logprobs[: len(new)]
+                logprobs.extend(self.step_logprobs)
             if new:
                 yield new
             if stop:

@@ -216,6 +216,15 @@ def test_logprobs_equal_hf(engine32, hf_target, method):
         assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(lp_j.top, kept, strict=True))
     if method == "rheo":
         assert gen.steps < len(gen.token_ids), "no draft accepted: path nodes beyond the root"
+    # Streaming: the same logprobs arrive with each step's ids.
+    tree = dict(tree="fixed", topk=4, depth=3, total_tokens=10)
+    request = engine32.request(ids, 24, method=method, seed=7, logprobs=True, top_logprobs=3,
+                               **tree, **controls)  # fmt: skip
+    streamed = []
+    for new in request:
+        assert [lp_j.token for lp_j in request.step_logprobs] == new
+        streamed += request.step_logprobs
+    assert streamed == gen.logprobs
 
 
 def test_greedy_logprobs_are_hf_greedy_scores(engine32, hf_target):
