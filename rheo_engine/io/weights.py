@@ -28,10 +28,16 @@ def _shard_files(d: Path) -> tuple[list[Path], dict[str, str] | None]:
         found = sorted(p.name for p in d.glob("*.safetensors")) + sorted(
             p.name for p in d.glob("*.bin")
         )
+        pickles = any(name.startswith("pytorch_model") for name in found)
+        fix = (
+            "the engine loads no pickles: re-save it with safetensors "
+            "(save_pretrained(..., safe_serialization=True))"
+            if pickles
+            else "save the model with safetensors (save_pretrained(..., safe_serialization=True)) "
+            "or convert a llama2.c checkpoint with `python -m rheo_engine.io.convert llama2c`"
+        )
         raise FileNotFoundError(
-            f"{d} has neither {_SINGLE} nor {_INDEX} (found {found or 'no weight files'}); "
-            "save the model with safetensors (save_pretrained(..., safe_serialization=True)) or "
-            "convert a llama2.c checkpoint with `python -m rheo_engine.io.convert llama2c`"
+            f"{d} has neither {_SINGLE} nor {_INDEX} (found {found or 'no weight files'}); {fix}"
         )
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
