@@ -15,6 +15,7 @@ tiny question folder in EAGLE's layout written to tmp_path; the stories260K chec
   every method's first-token law equals p (synthetic nodes, a smaller draft vocabulary, and
   real contexts).
 - ablations: JSON and markdown (and PNG when matplotlib is installed) per ablation.
+- bench_logit_controls: its quick run (the kernel equals the reference, one row per size).
 (gpu_check.sh and bench_kernels_gpu.py: tests/test_gpu_check.py.)
 """
 
@@ -259,6 +260,18 @@ def test_scripts_end_bad_input_without_a_traceback(tmp_path):
         assert run.returncode == 2 and "Traceback" not in run.stderr, (argv, run.stderr)
         assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], (argv, run.stderr)
         assert run.stdout == "", argv  # it failed before any work
+
+
+def test_bench_logit_controls_quick():
+    run = _run_script(["bench/bench_logit_controls.py", "--quick"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[1] == "kernel,dtype,N,V,H,us_controls,us_verification,controls_share", lines
+    rows = [line.split(",") for line in lines[2:]]
+    assert [(r[2], r[4]) for r in rows] == [
+        (N, H) for H in ("100", "2000") for N in ("1", "8", "60")
+    ]
+    assert all(float(r[5]) > 0 and 0 < float(r[7]) < 1 for r in rows), rows
 
 
 # --- tau --------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ __global__ void top_p_kernel(rheo::VerificationArgs a, double* w) {
   rheo::row_stats<rheo::F64Row>(a, 0, sh);
   const double* x = static_cast<const double*>(a.logits);
   for (int64_t v = threadIdx.x; v < a.V; v += rheo::kThreads)
-    w[v] = rheo::target_weight<rheo::F64Row>(sh.st, x, v, a.T, 1.0f);
+    w[v] = rheo::target_weight<rheo::F64Row>(sh.st, x, v, a.T, 1.0f, a.min_p);
 }
 
 // The walk kernel's order-preserving key of an fp64 value (verification.cu key64).

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "rheo/logit_controls.h"
 #include "rheo/pool_sampler.h"
 #include "rheo/proxy_rerank.h"
 #include "rheo/skinny_linear.h"
@@ -783,6 +784,7 @@ struct VerifyCase {
   double T, top_p;
   int32_t top_k;
   Logits logits;
+  double min_p = 0.0;
 };
 
 struct VerifyOut {
@@ -873,6 +875,7 @@ rheo::VerificationArgs verify_args(const VerifyCase& c, const VerifyInputs& in, 
   a.T = c.T;
   a.top_p = c.top_p;
   a.top_k = c.top_k;
+  a.min_p = c.min_p;
   a.seed = 77;
   a.step = 5;
   a.accept_path = o.path.data();
@@ -889,13 +892,15 @@ const char* method_name(rheo::VerifyMethod m) {
 }
 
 int verify_mismatches = 0, verify_trees = 0;
+int min_p_trees = 0, min_p_changed = 0;  // trees of min_p > 0 cases at T > 0; those min-p changed
 
 void verification_case(const VerifyCase& c, uint64_t seed) {
   ++cases;
-  char name[200];
-  std::snprintf(name, sizeof name, "verification B=%ld N=%ld V=%ld Se=%ld %s %s T=%.2f top_p=%.2f top_k=%d%s",
+  char name[220];
+  std::snprintf(name, sizeof name, "verification B=%ld N=%ld V=%ld Se=%ld %s %s T=%.2f top_p=%.2f top_k=%d min_p=%.2f%s",
                 long(c.B), long(c.N), long(c.V), long(c.Se), dtype_name(c.dtype),
-                method_name(c.method), c.T, c.top_p, c.top_k, c.logits == Logits::kTies ? " ties" : "");
+                method_name(c.method), c.T, c.top_p, c.top_k, c.min_p,
+                c.logits == Logits::kTies ? " ties" : c.logits == Logits::kPeaked ? " peaked" : "");
   current_case = name;
   Rng rng(seed);
   const VerifyInputs in = make_verify_inputs(c, rng);
@@ -906,6 +911,21 @@ void verification_case(const VerifyCase& c, uint64_t seed) {
       [&](VerifyOut& o) { return rheo::verification_cuda(verify_args(c, in, o, workspace.data()), nullptr); },
       verify_outputs(c, in.P));
   verify_trees += static_cast<int>(c.B);
+  if (c.min_p > 0.0) {  // the same tree without min-p: T = 0 must ignore it; at T > 0 it must bite
+    VerifyCase off = c;
+    off.min_p = 0.0;
+    VerifyOut cpu_off = verify_outputs(c, in.P);
+    rheo::verification_cpu(verify_args(off, in, cpu_off, nullptr));
+    if (c.T == 0.0) {
+      if (!(cpu_off == cpu)) fail("T = 0: the CPU walk depends on min_p");
+      VerifyOut cuda_off = verify_outputs(c, in.P);
+      rheo::verification_cuda(verify_args(off, in, cuda_off, workspace.data()), nullptr);
+      if (!(cuda_off == cuda)) fail("T = 0: the CUDA walk depends on min_p");
+    } else {
+      min_p_trees += static_cast<int>(c.B);
+      for (int64_t b = 0; b < c.B; ++b) min_p_changed += cpu_off.len[b] != cpu.len[b] || cpu_off.bonus[b] != cpu.bonus[b];
+    }
+  }
   // A coin within rounding of an acceptance threshold may go the other way (block sums add in
   // another order); a tree that differs is counted, and more than 1 in 200 fails the run.
   for (int64_t b = 0; b < c.B; ++b) {
@@ -1008,6 +1028,32 @@ void verification_tests() {
     verification_case({8, 60, 32000, 128, DType::kBFloat16, M::kRheo, 1.0, 1.0, 0, Logits::kPeaked}, ++seed);
   }
   verification_case({8, 60, 3000, 64, DType::kFloat16, M::kRheo, 1.0, 0.8, 0, Logits::kTies}, ++seed);
+  // Min-p after top-k / top-p (HF's order), alone and combined; T = 0 must ignore it. To keep the
+  // suite's time the logit kind rotates with the method and the dtype (each method meets each
+  // kind), and --quick keeps one method per dtype. min_p = 0.1 / 0.05 / 0.3 / 0.5 sit away from
+  // the tie-heavy rows' weights exp(-k / T) (T = 1, 0.7, 0.9): only rounding can flip a token at
+  // the min-p threshold, and such a tree is a counted mismatch like any other.
+  const Logits kinds[] = {Logits::kNormal, Logits::kTies, Logits::kPeaked};
+  const M methods[] = {M::kTopK, M::kRRSW, M::kRheo};
+  for (size_t di = 0; di < dtypes.size(); ++di) {
+    const DType d = dtypes[di];
+    for (size_t mi = 0; mi < 3; ++mi) {
+      if (quick && mi != di % 3) continue;
+      const M m = methods[mi];
+      const Logits lk = kinds[(mi + di) % 3];
+      verification_case({4, 60, 111, 32, d, m, 1.0, 1.0, 0, lk, 0.1}, ++seed);
+      verification_case({4, 60, 111, 32, d, m, 0.7, 0.8, 0, lk, 0.05}, ++seed);
+      verification_case({4, 60, 111, 32, d, m, 1.0, 1.0, 20, lk, 0.3}, ++seed);
+      verification_case({4, 60, 111, 32, d, m, 0.0, 1.0, 0, lk, 0.2}, ++seed);
+      verification_case({2, 1, 111, 32, d, m, 0.9, 0.53, 7, lk, 0.5}, ++seed);
+    }
+    if (!quick) verification_case({4, 20, 3000, 64, d, M::kRRSW, 0.8, 1.0, 50, Logits::kNormal, 0.1}, ++seed);
+  }
+  if (!quick) {  // V = 32000: the prepass regime (V >= 6 N, the rows' stats in parallel) with min-p
+    verification_case({1, 60, 32000, 128, DType::kBFloat16, M::kRheo, 1.0, 0.9, 0, Logits::kPeaked, 0.05}, ++seed);
+    verification_case({1, 60, 32000, 128, DType::kFloat32, M::kTopK, 1.0, 0.95, 0, Logits::kNormal, 0.02}, ++seed);
+  }
+  if (min_p_trees > 0 && min_p_changed == 0) fail("min_p changed no tree's walk on the CPU: the cases do not exercise it");
   // NaN at a node off the accepted path: the prepass regime (V >= 6 N) and the one without it.
   verification_unvisited_nan({2, 12, 300, 16, DType::kFloat32, M::kRheo, 1.0, 1.0, 0, Logits::kNormal}, ++seed);
   verification_unvisited_nan({4, 60, 111, 32, DType::kBFloat16, M::kRRSW, 0.9, 0.9, 0, Logits::kNormal}, ++seed);
@@ -1041,6 +1087,234 @@ void verification_tests() {
   });
 }
 
+
+// --- logit controls ----------------------------------------------------------------------------
+
+struct ControlsCase {
+  int64_t B, N, V, H;
+  DType dtype;
+  double rep, pres, freq;
+  int64_t E;       // suppressed tokens
+  int ban;         // suppress_below: 0 = never, 1 = the root only, 2 = deep (random depth >= 2)
+  int history;     // 0 = history_len 0, 1 = full (H), 2 = mixed (0, full and in between)
+  bool chain = false;  // one path 0 -> 1 -> ... -> N-1, every other token the same hot one
+};
+
+struct ControlsInputs {
+  std::vector<unsigned char> logits;  // [B, N, V] of dtype
+  std::vector<int32_t> tokens, parents, ids, counts, len, suppress, below;
+};
+
+// A random tree whose node tokens repeat each other and the history (half drawn from a small
+// pool of hot tokens), a history of distinct ascending ids with generated counts (0 = prompt
+// only; entries past history_len hold junk the kernels must not read), suppressed tokens that
+// overlap the hot pool.
+ControlsInputs make_controls_inputs(const ControlsCase& c, Rng& rng) {
+  ControlsInputs in;
+  // Small V: integer logits with +0.0 and -0.0 (the repetition rule's sign test at zero).
+  in.logits = encode(make_logits(rng, c.B * c.N * c.V, c.V < 100 ? Logits::kTies : Logits::kNormal), c.dtype);
+  std::vector<int32_t> hot(std::min<int64_t>(6, c.V));
+  for (auto& t : hot) t = static_cast<int32_t>(rng.below(c.V));
+  in.tokens.assign(c.B * c.N, 0);
+  in.parents.assign(c.B * c.N, -1);
+  in.ids.assign(c.B * c.H, -5);  // entries past history_len: junk, never read
+  in.counts.assign(c.B * c.H, -5);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t i = 1; i < c.N; ++i) {
+      in.parents[b * c.N + i] = static_cast<int32_t>(c.chain || rng.uniform() < 0.6 ? i - 1 : rng.below(i));
+      in.tokens[b * c.N + i] = c.chain && i % 2 ? hot[0]
+                               : rng.uniform() < 0.5 ? hot[rng.below(hot.size())]
+                                                     : static_cast<int32_t>(rng.below(c.V));
+    }
+    in.tokens[b * c.N] = hot[0];  // the root's token is in the history already; unused
+    int64_t n = c.history == 0 ? 0 : c.history == 1 ? c.H : b == 0 ? c.H : rng.below(c.H + 1);
+    if (c.history == 2 && b == 1) n = 0;
+    std::vector<int32_t> all(c.V);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng.g);
+    std::copy(hot.begin(), hot.end(), all.begin());  // the hot tokens first (repeats on paths)
+    std::vector<int32_t> pick(all.begin(), all.begin() + n);
+    std::sort(pick.begin(), pick.end());
+    pick.erase(std::unique(pick.begin(), pick.end()), pick.end());
+    while (static_cast<int64_t>(pick.size()) < n) {  // hot tokens repeat: refill to n distinct
+      const int32_t v = static_cast<int32_t>(rng.below(c.V));
+      if (!std::binary_search(pick.begin(), pick.end(), v)) pick.insert(std::lower_bound(pick.begin(), pick.end(), v), v);
+    }
+    for (int64_t h = 0; h < n; ++h) {
+      in.ids[b * c.H + h] = pick[h];
+      in.counts[b * c.H + h] = rng.uniform() < 0.3 ? 0 : static_cast<int32_t>(rng.below(4));
+    }
+    in.len.push_back(static_cast<int32_t>(n));
+    in.below.push_back(c.ban == 0 ? 0 : c.ban == 1 ? 1 : static_cast<int32_t>(2 + rng.below(c.N + 2)));
+  }
+  std::set<int32_t> banned = {hot.back()};
+  while (static_cast<int64_t>(banned.size()) < c.E) banned.insert(static_cast<int32_t>(rng.below(c.V)));
+  in.suppress.assign(banned.begin(), banned.end());
+  std::shuffle(in.suppress.begin(), in.suppress.end(), rng.g);
+  in.suppress.resize(c.E);
+  return in;
+}
+
+struct ControlsOut {
+  std::vector<unsigned char> logits;
+  std::vector<int32_t> status;
+  bool operator==(const ControlsOut& o) const { return logits == o.logits && status == o.status; }
+};
+
+rheo::LogitControlsArgs controls_args(const ControlsCase& c, const ControlsInputs& in, ControlsOut& o) {
+  rheo::LogitControlsArgs a;
+  a.logits = o.logits.data();
+  a.dtype = c.dtype;
+  a.B = c.B, a.N = c.N, a.V = c.V, a.H = c.H, a.E = c.E;
+  a.tokens = in.tokens.data();
+  a.parents = in.parents.data();
+  a.history_ids = in.ids.data();
+  a.history_counts = in.counts.data();
+  a.history_len = in.len.data();
+  a.suppress_ids = in.suppress.data();
+  a.suppress_below = in.below.data();
+  a.repetition_penalty = c.rep;
+  a.presence_penalty = c.pres;
+  a.frequency_penalty = c.freq;
+  a.status = o.status.data();
+  return a;
+}
+
+std::string controls_name(const ControlsCase& c) {
+  char name[200];
+  std::snprintf(name, sizeof name, "logit_controls B=%ld N=%ld V=%ld H=%ld %s r=%.2f pres=%.2f freq=%.2f E=%ld ban=%d history=%d",
+                long(c.B), long(c.N), long(c.V), long(c.H), dtype_name(c.dtype), c.rep, c.pres,
+                c.freq, long(c.E), c.ban, c.history);
+  return name;
+}
+
+int controls_rows_changed = 0;  // rows the CPU changed, over the valid cases (a negative control)
+
+// Valid input: the CUDA rows equal the CPU's bit for bit (the arithmetic is penalised_logit in
+// the row's type on both sides), status 0.
+void logit_controls_case(const ControlsCase& c, uint64_t seed) {
+  ++cases;
+  current_case = controls_name(c);
+  Rng rng(seed);
+  const ControlsInputs in = make_controls_inputs(c, rng);
+  const ControlsOut fresh{in.logits, {0}};
+  ControlsOut cpu = fresh;
+  rheo::logit_controls_cpu(controls_args(c, in, cpu));
+  const ControlsOut cuda = run_twice<ControlsOut>(
+      [&](ControlsOut& o) { return rheo::logit_controls_cuda(controls_args(c, in, o), nullptr); }, fresh);
+  expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
+  const size_t row = c.V * elem_size(c.dtype);
+  for (int64_t r = 0; r < c.B * c.N; ++r) {
+    controls_rows_changed += std::memcmp(cpu.logits.data() + r * row, in.logits.data() + r * row, row) != 0;
+    if (std::memcmp(cuda.logits.data() + r * row, cpu.logits.data() + r * row, row) == 0) continue;
+    for (int64_t v = 0; v < c.V; ++v) {
+      const size_t at = (r * c.V + v) * elem_size(c.dtype);
+      if (std::memcmp(cuda.logits.data() + at, cpu.logits.data() + at, elem_size(c.dtype)) == 0) continue;
+      char msg[200];
+      std::snprintf(msg, sizeof msg, "row %ld (tree %ld node %ld) token %ld: cuda %.17g cpu %.17g", long(r),
+                    long(r / c.N), long(r % c.N), long(v), decode(cuda.logits.data() + at, c.dtype),
+                    decode(cpu.logits.data() + at, c.dtype));
+      fail(msg);
+      break;
+    }
+    return;
+  }
+}
+
+// Bad input: the CPU raises; CUDA sets kStatusBadControls and leaves every row whose path or
+// history breaks a rule as it was; the other rows are what the CPU makes of the valid input.
+// bad_row(in, b, i) says which rows break a rule after `spoil`.
+void logit_controls_bad(const char* what, const std::function<void(ControlsInputs&, const ControlsCase&)>& spoil,
+                        const std::function<bool(const ControlsInputs&, const ControlsCase&, int64_t, int64_t)>& bad_row) {
+  ++cases;
+  current_case = std::string("logit_controls bad input: ") + what;
+  const ControlsCase c{3, 24, 400, 200, DType::kFloat32, 1.3, 0.2, 0.1, 2, 2, 1};
+  Rng rng(13);
+  ControlsInputs in = make_controls_inputs(c, rng);
+  ControlsOut valid{in.logits, {0}};
+  rheo::logit_controls_cpu(controls_args(c, in, valid));
+  spoil(in, c);
+  ControlsOut cpu{in.logits, {0}};
+  if (!cpu_raises([&] { rheo::logit_controls_cpu(controls_args(c, in, cpu)); })) fail("the CPU kernel accepted it");
+  const ControlsOut cuda = run_twice<ControlsOut>(
+      [&](ControlsOut& o) { return rheo::logit_controls_cuda(controls_args(c, in, o), nullptr); },
+      ControlsOut{in.logits, {0}});
+  if (!(cuda.status[0] & rheo::kStatusBadControls)) fail("status bit kStatusBadControls not set");
+  const size_t row = c.V * elem_size(c.dtype);
+  int n_bad = 0;
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t i = 0; i < c.N; ++i) {
+      const size_t at = (b * c.N + i) * row;
+      const bool bad = bad_row(in, c, b, i);
+      n_bad += bad;
+      const unsigned char* want = (bad ? in.logits : valid.logits).data() + at;
+      if (std::memcmp(cuda.logits.data() + at, want, row) != 0) {
+        fail("tree " + std::to_string(b) + " node " + std::to_string(i) +
+             (bad ? ": a bad row was changed" : ": a good row differs from the CPU's"));
+        return;
+      }
+    }
+  if (n_bad == 0) fail("the spoiled input has no bad row");
+}
+
+// Rows of tree b whose path from node i to the root breaks a tree rule.
+bool bad_path(const ControlsInputs& in, const ControlsCase& c, int64_t b, int64_t i) {
+  const int32_t* parents = in.parents.data() + b * c.N;
+  const int32_t* tokens = in.tokens.data() + b * c.N;
+  if (parents[0] != -1) return true;
+  for (int64_t j = i; j > 0; j = parents[j])
+    if (parents[j] < 0 || parents[j] >= j || tokens[j] < 0 || tokens[j] >= c.V) return true;
+  return false;
+}
+
+void logit_controls_tests() {
+  uint64_t seed = 600;
+  struct Penalties { double rep, pres, freq; };
+  const Penalties penalties[] = {{1.3, 0.0, 0.0}, {0.7, 0.0, 0.0}, {1.0, 0.5, 0.0},
+                                 {1.0, 0.0, 0.4}, {1.2, -0.3, 0.25}, {1.0, 0.0, 0.0}};
+  for (const DType d : {DType::kFloat32, DType::kFloat64}) {
+    for (const Penalties& p : penalties) {
+      // Small V: the history is most of the vocabulary and path tokens repeat it; V ~ 1000 with
+      // H = 300 > 128 threads: the strided history loop, and a mixed history_len per tree.
+      for (int ban = 0; ban < 3; ++ban) {
+        const int64_t E = ban == 0 && p.rep != 1.0 ? 0 : 3;
+        logit_controls_case({2, 17, 29, 29, d, p.rep, p.pres, p.freq, E, ban, 1}, ++seed);
+        logit_controls_case({3, 40, 1000, 300, d, p.rep, p.pres, p.freq, E, ban, 2}, ++seed);
+        if (quick) continue;
+        logit_controls_case({1, 40, 29, 20, d, p.rep, p.pres, p.freq, E, ban, 0}, ++seed);
+        logit_controls_case({3, 33, 1013, 257, d, p.rep, p.pres, p.freq, E, ban, 1}, ++seed);
+      }
+    }
+    logit_controls_case({1, 1, 5, 0, d, 1.5, 0.1, 0.1, 1, 1, 0}, ++seed);       // N = 1, H = 0
+    logit_controls_case({2, 40, 1000, 300, d, 1.0, 0.0, 0.0, 0, 0, 1}, ++seed);  // all off: no-op
+    // A chain of depth 159 > 128 threads: the strided loop over the path tokens, a token seen
+    // 80 times on one path, the ban down to a random depth.
+    logit_controls_case({1, 160, 1000, 150, d, 1.1, 0.3, 0.2, 4, 2, 1, true}, ++seed);
+  }
+  if (controls_rows_changed == 0) fail("the controls changed no row: the cases do not exercise them");
+  using In = ControlsInputs;
+  using C = ControlsCase;
+  logit_controls_bad("parent after its child", [](In& in, const C& c) { in.parents[1 * c.N + 7] = 9; }, bad_path);
+  logit_controls_bad("root with a parent", [](In& in, const C& c) { in.parents[2 * c.N] = 0; }, bad_path);
+  logit_controls_bad("token outside the vocabulary", [](In& in, const C& c) {
+    in.tokens[0 * c.N + 5] = static_cast<int32_t>(c.V);
+  }, bad_path);
+  const auto tree1 = [](const In&, const C&, int64_t b, int64_t) { return b == 1; };
+  logit_controls_bad("history not ascending", [](In& in, const C& c) {
+    std::swap(in.ids[1 * c.H + 130], in.ids[1 * c.H + 131]);  // past the first 128 threads
+  }, tree1);
+  logit_controls_bad("history id out of range", [](In& in, const C& c) {
+    in.ids[1 * c.H + in.len[1] - 1] = static_cast<int32_t>(c.V);  // still ascending
+  }, tree1);
+  logit_controls_bad("negative history id", [](In& in, const C& c) { in.ids[1 * c.H] = -1; }, tree1);
+  logit_controls_bad("negative history count", [](In& in, const C& c) { in.counts[1 * c.H + 3] = -1; }, tree1);
+  logit_controls_bad("history_len > H", [](In& in, const C& c) { in.len[1] = static_cast<int32_t>(c.H + 1); }, tree1);
+  logit_controls_bad("history_len < 0", [](In& in, const C&) { in.len[1] = -1; }, tree1);
+  logit_controls_bad("negative suppress_below", [](In& in, const C&) { in.below[1] = -1; }, tree1);
+  logit_controls_bad("suppressed token outside the vocabulary", [](In& in, const C& c) {
+    in.suppress[1] = static_cast<int32_t>(c.V);
+  }, [](const In&, const C&, int64_t, int64_t) { return true; });
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1058,7 +1332,7 @@ int main(int argc, char** argv) {
   const std::pair<const char*, void (*)()> suites[] = {
       {"pool_sampler", pool_sampler_tests}, {"proxy_rerank", proxy_rerank_tests},
       {"tree_attention", tree_attention_tests}, {"skinny_linear", skinny_linear_tests},
-      {"verification", verification_tests}};
+      {"verification", verification_tests}, {"logit_controls", logit_controls_tests}};
   for (const auto& [name, fn] : suites) {
     if (!only.empty() && only != name) continue;
     const int before = failures, cases_before = cases;

@@ -70,12 +70,31 @@ struct LogitControlsArgs {
   int32_t* status = nullptr;  // [1] or null: CUDA status bits
 };
 
+// A product rounded on its own. nvcc contracts a * b - c into one fused multiply-add by default
+// (--fmad=true), which rounds once and so differs from the CPU (and torch) in the last bit;
+// __fmul_rn / __dmul_rn are never contracted. The emulator and the host compile plain a * b.
+RHEO_HOST_DEVICE float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+RHEO_HOST_DEVICE double mul_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // One token's penalised logit (the header's rule, in the row's type T; CPU and CUDA share it):
-// count = c(v), the token is in the node's history.
+// count = c(v), the token is in the node's history. Each step rounds as torch's separate ops
+// do (mul_rn); presence's product is exact (x 0 or x 1), so fusing it changes nothing.
 template <typename T>
 RHEO_HOST_DEVICE T penalised_logit(T l, int32_t count, T r, T presence, T frequency) {
-  l = l < T(0) ? l * r : l / r;
-  l -= frequency * static_cast<T>(count);
+  l = l < T(0) ? mul_rn(l, r) : l / r;
+  l -= mul_rn(frequency, static_cast<T>(count));
   l -= presence * (count > 0 ? T(1) : T(0));
   return l;
 }
