@@ -51,7 +51,7 @@ from inputs import (
     tree_options,
 )
 
-import rheo_engine.engine as engine_module
+import rheo_engine.request as request_module
 from rheo_engine import Engine
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 
@@ -103,12 +103,12 @@ def recording(coverage: Coverage, label: str, S: int):
             coverage.add(label, out, S)
             return out
 
-    saved = engine_module.Eagle3Drafter
-    engine_module.Eagle3Drafter = Recording
+    saved = request_module.Eagle3Drafter
+    request_module.Eagle3Drafter = Recording
     try:
         yield
     finally:
-        engine_module.Eagle3Drafter = saved
+        request_module.Eagle3Drafter = saved
 
 
 # --- the three ablations ---------------------------------------------------------------------

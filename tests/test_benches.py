@@ -395,7 +395,7 @@ def _run_ablations(flags: list[str], out_dir: Path) -> dict:
     grid = ["--leads-list", "0", "1", "--temperatures", "0", "1", "--supports", "16"]
     payloads = ablations.main([*flags, "--limit", "1", "--max-new-tokens", "4", *SMALL_TREE,
                                *grid, "--out-dir", str(out_dir), "--quiet"])  # fmt: skip
-    assert ablations.engine_module.Eagle3Drafter is Eagle3Drafter  # the recording hook is undone
+    assert ablations.request_module.Eagle3Drafter is Eagle3Drafter  # the recording hook is undone
     try:
         import matplotlib  # noqa: F401
 

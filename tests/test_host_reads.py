@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import rheo_engine.engine as engine_module
 import rheo_engine.loop as loop_module
+import rheo_engine.request as request_module
 from rheo_engine import Engine, kernels
 from rheo_engine.draft import pool_kind, root_only_tree
 from rheo_engine.tree_policy import CostProfile, profile_key
@@ -60,13 +60,13 @@ class Counted:
 
 def count_reads(engine, monkeypatch, new_tokens: int = 20, **options) -> Counted:
     counter, marks = OpCounter(), []
-    real_step = engine_module.speculative_step
+    real_step = request_module.speculative_step
 
     def marked_step(*args, **kwargs):
         marks.append((counter.host_reads, counter.uploads, len(counter.reads)))
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "speculative_step", marked_step)
+    monkeypatch.setattr(request_module, "speculative_step", marked_step)
     request = engine.request(PROMPT, new_tokens, seed=0, **options)
     with torch.no_grad(), counter:
         for _ in request:
