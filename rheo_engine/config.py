@@ -22,6 +22,18 @@ def _check_int(name: str, value: object) -> None:
         )
 
 
+def check_count(name: str, value: object, low: int = 0) -> int:
+    """A count of tokens (an int, not a bool, >= ``low``) as an int, else a one-line error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"{name}={value!r} ({type(value).__name__}) must be an int >= {low}; pass a whole "
+            "number of tokens"
+        )
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+    return int(value)
+
+
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} ({type(value).__name__}) must be a number")

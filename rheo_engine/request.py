@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rheo_engine import kernels
-from rheo_engine.config import SamplingConfig, TreeConfig
+from rheo_engine.config import SamplingConfig, TreeConfig, check_count
 from rheo_engine.draft import draft_tree, pool_kind, root_only_tree
 from rheo_engine.kv_cache import KVCache
 from rheo_engine.loop import StepTimes, resolve_seed, speculative_step
@@ -178,17 +178,6 @@ def sampling_defaults(generation_config, given: dict) -> tuple[dict, dict[str, s
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
-def _count(name: str, value: object, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"{name}={value!r} ({type(value).__name__}) must be an int >= {low}; pass a whole "
-            "number of tokens"
-        )
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
-    return int(value)
-
-
 def _flag(name: str, value: object, hint: str = "") -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False{hint}")
@@ -248,14 +237,8 @@ class Request:
             raise ValueError(
                 f"method={method!r} needs a draft head; load one with draft=DIR or use method='ar'"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise ValueError(
-                f"max_new_tokens={max_new_tokens!r} ({type(max_new_tokens).__name__}) must be an "
-                "int >= 1; pass a whole number of tokens"
-            )
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        self.min_new_tokens = _count("min_new_tokens", min_new_tokens)
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+        self.min_new_tokens = check_count("min_new_tokens", min_new_tokens)
         if self.min_new_tokens > max_new_tokens:
             raise ValueError(
                 f"min_new_tokens={min_new_tokens} exceeds max_new_tokens={max_new_tokens}; "
@@ -266,7 +249,7 @@ class Request:
         self.logprobs = _flag(
             "logprobs", logprobs, " (the number of alternatives is top_logprobs=)"
         )
-        self.top_logprobs = _count("top_logprobs", top_logprobs)
+        self.top_logprobs = check_count("top_logprobs", top_logprobs)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs={top_logprobs} must be <= {MAX_TOP_LOGPROBS}, as in OpenAI's API"

@@ -7,10 +7,10 @@ become a stop string is held back while it streams, so no character of a stop st
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from rheo_engine.config import check_count
 from rheo_engine.io.tokenizer import Tokenizer
 
 
@@ -58,14 +58,7 @@ class StopStrings:
         self, tokenizer: Tokenizer, stop: str | Sequence[str] | None = None, min_new_tokens: int = 0
     ) -> None:
         self.stops: tuple[str, ...] = check_stop(stop)
-        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, numbers.Integral):
-            raise ValueError(
-                f"min_new_tokens={min_new_tokens!r} ({type(min_new_tokens).__name__}) must be an "
-                "int >= 0; pass a whole number of tokens"
-            )
-        if min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens={min_new_tokens} must be >= 0; pass 0 for no minimum")
-        self.min_new_tokens = int(min_new_tokens)
+        self.min_new_tokens = check_count("min_new_tokens", min_new_tokens)
         self._decoder = tokenizer.stream_decoder()
         self._hold = max((len(s) for s in self.stops), default=1) - 1  # longest possible hold
         # Every proper prefix of a stop string: a suffix of the text that is one is held back.
