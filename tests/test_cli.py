@@ -385,3 +385,56 @@ def test_converter_as_a_process_has_no_traceback(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
     assert done.returncode == 2 and done.stderr.startswith("error: llama2.c checkpoint no.bin")
     _no_traceback(done.stderr)
+
+
+# --- sampling controls, stop strings, logprobs --------------------------------------------------
+
+
+def test_stop_string_is_held_back_and_cut(capsys):
+    code, out, _ = run(capsys, "--prompt", PROMPT, "--max-new-tokens", "24", "--temperature", "0",
+                       "--json")  # fmt: skip
+    full = json_lines(out)[0]["text"]
+    stop = full[6:9]
+    code, out, err = run(capsys, "--prompt", PROMPT, "--max-new-tokens", "24", "--temperature",
+                         "0", "--stop", "never there", "--stop", stop)  # fmt: skip
+    assert code == 0 and out == full[: full.index(stop)] + "\n"
+    assert "stop: stop)" in err
+    code, out, _ = run(capsys, "--prompt", PROMPT, "--max-new-tokens", "24", "--temperature",
+                       "0", "--stop", stop, "--json")  # fmt: skip
+    got = json_lines(out)[0]
+    assert got["text"] == full[: full.index(stop)] and got["stop_string"] == stop
+
+
+def test_json_logprobs_and_sampling_sources(capsys):
+    code, out, err = run(capsys, "--prompt", PROMPT, *FEW, "--seed", "3", "--json", "--logprobs",
+                         "--top-logprobs", "2", "--repetition-penalty", "1.2", "--min-p",
+                         "0.05")  # fmt: skip
+    got = json_lines(out)[0]
+    assert code == 0 and len(got["logprobs"]) == len(got["token_ids"]) == 4
+    assert [lp["token"] for lp in got["logprobs"]] == got["token_ids"]
+    for lp in got["logprobs"]:  # min-p may leave fewer than 2 tokens possible: only those listed
+        tops = [t["logprob"] for t in lp["top_logprobs"]]
+        assert 1 <= len(tops) <= 2 and tops == sorted(tops, reverse=True)
+        assert lp["logprob"] <= tops[0] <= 0
+    assert got["sampling"]["repetition_penalty"] == 1.2 and got["sampling"]["min_p"] == 0.05
+    assert got["sampling_sources"]["repetition_penalty"] == "request"
+    assert got["sampling_sources"]["temperature"] == "default"  # no generation_config.json
+    assert "T 1 (default)" in err and "repetition_penalty 1.2" in err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--min-p", "1"], "--min-p 1.0 must be in [0, 1)"),
+        (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be > 0"),
+        (["--presence-penalty", "nan"], "--presence-penalty nan must be a finite number"),
+        (["--stop", ""], "would match before any text"),
+        (["--min-new-tokens", "9"], "--min-new-tokens 9 exceeds --max-new-tokens 4"),
+        (["--top-logprobs", "2", "--json"], "--top-logprobs 2 needs --logprobs"),
+        (["--logprobs"], "--logprobs is reported in the JSON output only; add --json"),
+    ],
+)
+def test_bad_controls_in_cli_spelling(capsys, argv, says):
+    code, out, err = run(capsys, "--prompt", PROMPT, *FEW, *argv)
+    assert code == 2 and not out
+    assert says in one_error_line(err)
