@@ -2,9 +2,11 @@
 # The two quick-start commands (README):
 #   bash rheo.sh generate   set everything up, then generate with the embedded default pair
 #   bash rheo.sh test       set everything up, then run the whole test suite
-# Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh setup`.
+# Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh serve` (the
+# OpenAI-compatible server, README "Serving"), `bash rheo.sh setup`.
 # Setting up = torch (the CPU wheel where there is no GPU), numpy, safetensors, sentencepiece,
-# tiktoken and ninja (plus pytest and transformers for the tests), at the versions pinned in
+# tiktoken, tokenizers, jinja2, starlette + uvicorn (the server) and ninja (plus pytest,
+# transformers and the openai client for the tests), at the versions pinned in
 # constraints.txt, and the rheo_engine._C extension, rebuilt only when a source under csrc/ or
 # bindings/ changed.
 # PYTHON picks the interpreter (default python3); extra arguments go to the job.
@@ -19,8 +21,11 @@ pinned_ok() {
 import sys
 from importlib import metadata
 groups = {"runtime": ["numpy", "safetensors", "sentencepiece", "tiktoken", "tokenizers", "jinja2",
-                      "markupsafe", "ninja", "setuptools", "wheel"],
-          "test": ["pytest", "transformers", "huggingface_hub", "protobuf"]}
+                      "markupsafe", "starlette", "uvicorn", "anyio", "idna", "click", "h11",
+                      "typing_extensions", "ninja", "setuptools", "wheel"],
+          "test": ["pytest", "transformers", "huggingface_hub", "protobuf", "openai", "jiter",
+                   "httpx2", "httpcore2", "truststore", "pydantic", "pydantic_core",
+                   "annotated-types", "typing-inspection", "sniffio"]}
 pins = dict(line.split("#")[0].strip().split("==") for line in open("constraints.txt")
             if "==" in line.split("#")[0])
 def have(name):
@@ -48,7 +53,8 @@ setup() {
   # Every pinned package at its pinned version (constraints.txt), installed only when one differs.
   pinned_ok runtime ||
     "$PY" -m pip install -q -c constraints.txt numpy safetensors sentencepiece tiktoken tokenizers \
-      jinja2 markupsafe ninja setuptools wheel
+      jinja2 markupsafe starlette uvicorn anyio idna click h11 typing_extensions ninja setuptools \
+      wheel
   if "$PY" - <<'PYEOF'
 import glob, os, sys
 so = glob.glob("rheo_engine/_C*.so")
@@ -72,13 +78,17 @@ case "$job" in
     if [ $# -eq 0 ]; then set -- --prompt "def quicksort(xs):" --max-new-tokens 96; fi
     exec "$PY" -m rheo_engine.generate "$@" ;;
   demo) exec "$PY" -m rheo_engine.demo "$@" ;;
+  serve) exec "$PY" -m rheo_engine.serve "$@" ;;
   test)
     # Test-only dependencies at their pinned versions: pytest, HF transformers as the reference
-    # Llama and tokenizer, protobuf for its SentencePiece converter (tests/hf_layouts.py).
+    # Llama and tokenizer, protobuf for its SentencePiece converter (tests/hf_layouts.py), the
+    # official openai client and its dependencies (tests/test_serve.py).
     # -rs lists the reason of every skipped test in the summary.
     pinned_ok test ||
-      "$PY" -m pip install -q -c constraints.txt pytest transformers huggingface_hub protobuf
+      "$PY" -m pip install -q -c constraints.txt pytest transformers huggingface_hub protobuf \
+        openai jiter httpx2 httpcore2 truststore pydantic pydantic_core annotated-types \
+        typing-inspection sniffio
     exec "$PY" -m pytest -q -rs tests "$@" ;;
   setup) "$PY" -m rheo_engine.info ;;
-  *) echo "usage: bash rheo.sh [generate|test|demo|setup] [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash rheo.sh [generate|test|demo|serve|setup] [args...]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,86 @@
+"""What the OpenAI-compatible server adds to a request's time, against the engine called directly.
+
+    OMP_NUM_THREADS=1 python bench/serve_overhead.py                 # default pair, 64 tokens
+    OMP_NUM_THREADS=1 python bench/serve_overhead.py --runs 30 --max-tokens 128
+
+One process: the server (rheo_engine.serve on uvicorn, in a thread) over the same engine that
+the direct calls use, and a plain http.client client. Each round times the same seeded
+temperature-0 request three ways, interleaved (direct, HTTP whole, HTTP streamed), and the
+overhead is the median over rounds of (HTTP time / direct time of that round) - 1 (STYLE.md
+§9: the machine is shared, absolute times drift). The client shares the server's GIL, so this
+is the pessimistic case of a client in another process. Prints one CSV row per way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import threading
+import time
+
+import torch
+import uvicorn
+
+from rheo_engine.engine import Engine
+from rheo_engine.scheduler import Scheduler
+from rheo_engine.serve import Server
+
+PROMPT = "def quicksort(xs):"
+
+
+def _post(port: int, body: dict) -> tuple[float, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    data = conn.getresponse().read()
+    seconds = time.perf_counter() - start
+    conn.close()
+    return seconds, data
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+    engine = Engine.from_pretrained()
+    scheduler = Scheduler(engine, max_queue=4)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(Server(scheduler, "rheo-default").app, log_level="warning"))
+    threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not uv.started:
+        time.sleep(0.01)
+    options = dict(temperature=0, seed=0)
+    body = {"prompt": PROMPT, "max_tokens": args.max_tokens, **options}
+    want = engine.generate(PROMPT, args.max_tokens, **options)  # warm-up: the cost profile
+    times: dict[str, list[float]] = {"direct": [], "http": [], "http_stream": []}
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        gen = engine.generate(PROMPT, args.max_tokens, **options)
+        times["direct"].append(time.perf_counter() - start)
+        seconds, data = _post(port, body)
+        assert json.loads(data)["choices"][0]["text"] == want.text == gen.text
+        times["http"].append(seconds)
+        seconds, data = _post(port, {**body, "stream": True})
+        assert data.endswith(b"data: [DONE]\n\n")
+        times["http_stream"].append(seconds)
+    uv.should_exit = True
+    scheduler.close()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    print(f"# default pair, {args.max_tokens} tokens at temperature 0, {len(want.token_ids)} "
+          f"emitted; torch threads {torch.get_num_threads()}; {args.runs} rounds; "
+          f"commit {commit.stdout.strip()}")  # fmt: skip
+    print("way,median_ms,overhead_vs_direct_pct")
+    for way, values in times.items():
+        ratio = statistics.median(v / d for v, d in zip(values, times["direct"], strict=True))
+        print(f"{way},{1000 * statistics.median(values):.1f},{100 * (ratio - 1):+.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""OpenAI's API over the engine, without the HTTP: a request body's fields as engine options
+(``parse``), and a request's steps and Generation as OpenAI's response objects (``Call``), for
+/v1/completions and /v1/chat/completions. rheo_engine.serve puts them on HTTP.
+
+Field names are OpenAI's, then vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens), then the engine's own (method, tree, topk, depth, total_tokens). Each field is
+checked for its JSON type here; Request checks the values (its message is the API's error).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+from rheo_engine.scheduler import Cancelled, Handle
+from rheo_engine.verify import TokenLogprob
+
+__all__ = ["ApiError", "Call", "parse"]
+
+# OpenAI's field name -> (JSON type, the engine option it sets or None). null means "not given".
+_COMMON = {
+    "model": ("str", None), "max_tokens": ("int", None), "n": ("int", None),
+    "stream": ("bool", None), "stream_options": ("object", None), "user": ("str", None),
+    "temperature": ("number", "temperature"), "top_p": ("number", "top_p"),
+    "stop": ("stop", "stop"), "seed": ("int", "seed"),
+    "presence_penalty": ("number", "presence_penalty"),
+    "frequency_penalty": ("number", "frequency_penalty"),
+    # vLLM's extensions, then the engine's own.
+    "top_k": ("int", "top_k"), "min_p": ("number", "min_p"),
+    "repetition_penalty": ("number", "repetition_penalty"), "ignore_eos": ("bool", "ignore_eos"),
+    "min_tokens": ("int", "min_new_tokens"), "method": ("str", "method"),
+    "tree": ("str", "tree"), "topk": ("int", "topk"), "depth": ("int", "depth"),
+    "total_tokens": ("int", "total_tokens"),
+}  # fmt: skip
+_COMPLETION = {
+    "prompt": ("any", None), "logprobs": ("int", None), "echo": ("bool", None),
+    "best_of": ("int", None), "suffix": ("str", None),
+}  # fmt: skip
+_CHAT = {
+    "messages": ("any", None), "logprobs": ("bool", "logprobs"),
+    "top_logprobs": ("int", "top_logprobs"), "max_completion_tokens": ("int", None),
+}  # fmt: skip
+_TYPES = {
+    "str": (str,), "int": (int,), "number": (int, float), "bool": (bool,), "object": (dict,),
+    "stop": (str, list), "any": (object,),
+}  # fmt: skip
+_FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+        kind = kind.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def _fields(body: dict, table: dict) -> dict:
+    """The given (non-null) fields of ``body``, each checked against its JSON type."""
+    unknown = sorted(set(body) - set(table))
+    if unknown:
+        raise ApiError(400, f"unrecognized request field(s) {unknown}", unknown[0])
+    out = {}
+    for name, value in body.items():
+        kind = table[name][0]
+        if value is None:
+            continue
+        ok = isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+        if not ok:
+            raise ApiError(400, f"{name}={value!r} must be a JSON {kind}", name)
+        out[name] = value
+    return out
+
+
+def _prompt(given: dict) -> object:
+    """A completion's prompt: a str, token ids, or a list of one of them."""
+    prompt = given.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts; one per request", "prompt")
+        prompt = prompt[0]
+    if prompt is None or not isinstance(prompt, (str, list)):
+        raise ApiError(400, "prompt must be a str or a list of token ids", "prompt")
+    return prompt
+
+
+def _messages(given: dict) -> list:
+    """The chat's messages, with OpenAI's text content parts joined into one str."""
+    messages = given.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of messages", "messages")
+    out = []
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            parts = message["content"]
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            message = {**message, "content": "".join(str(p.get("text", "")) for p in parts)}
+        out.append(message)
+    return out
+
+
+def parse(body: dict, chat: bool, context: int) -> tuple[object, int, dict, dict]:
+    """(prompt, max_new_tokens, engine options, given fields) of a request body."""
+    table = {**_COMMON, **(_CHAT if chat else _COMPLETION)}
+    given = _fields(body, table)
+    if given.get("n", 1) != 1 or given.get("best_of", 1) != 1:
+        param = "n" if given.get("n", 1) != 1 else "best_of"
+        raise ApiError(400, f"{param}={given[param]}: only one choice per request (n=1)", param)
+    for name, off in (("echo", False), ("suffix", None)):
+        if given.get(name, off) != off:
+            raise ApiError(400, f"{name} is not supported", name)
+    options = {table[k][1]: v for k, v in given.items() if table[k][1] is not None}
+    if not chat and "logprobs" in given:  # completions: logprobs = how many alternatives
+        options.update(logprobs=True, top_logprobs=given["logprobs"])
+    limit = given.get("max_completion_tokens", given.get("max_tokens"))
+    max_new = (context if chat else 16) if limit is None else limit
+    if max_new > context:
+        raise ApiError(
+            400, f"max_tokens={max_new} must be <= the context ({context})", "max_tokens"
+        )
+    return (_messages(given) if chat else _prompt(given)), max_new, options, given
+
+
+def _token(tokenizer, lp: TokenLogprob) -> tuple[str, float, list[tuple[str, float]]]:
+    def finite(x: float) -> float:  # JSON has no -inf (a token of probability 0)
+        return x if math.isfinite(x) else -9999.0
+
+    top = [(tokenizer.decode([t]), finite(x)) for t, x in lp.top]
+    return tokenizer.decode([lp.token]), finite(lp.logprob), top
+
+
+def _logprobs(tokenizer, lps: list[TokenLogprob], chat: bool, offset: int = 0) -> dict:
+    """OpenAI's logprobs object: chat's {"content": [...]}, or completions' four lists."""
+    tokens = [_token(tokenizer, lp) for lp in lps]
+    if chat:
+
+        def entry(s: str, x: float) -> dict:
+            return {"token": s, "logprob": x, "bytes": list(s.encode())}
+
+        content = [
+            {**entry(s, x), "top_logprobs": [entry(*t) for t in top]} for s, x, top in tokens
+        ]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for s, _, _ in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": [t[0] for t in tokens], "token_logprobs": [t[1] for t in tokens],
+            "top_logprobs": [dict(t[2]) for t in tokens], "text_offset": offsets}  # fmt: skip
+
+
+class Call:
+    """One API call: its id, its response shapes, and its Handle once submitted."""
+
+    def __init__(self, model_name: str, tokenizer, chat: bool, given: dict, handle: Handle) -> None:
+        self.model_name, self.tokenizer = model_name, tokenizer
+        self.chat, self.given, self.handle = chat, given, handle
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.want_logprobs = handle.request.logprobs
+        self.offset = 0
+
+    def object(self, choice: dict, chunk: bool, usage: dict | None = None) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        out = {"id": self.id, "object": kind, "created": self.created,
+               "model": self.model_name, "choices": [choice] if choice else []}  # fmt: skip
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def choice(self, text: str, lps: list | None, finish: str | None, chunk: bool) -> dict:
+        """choices[0]: text (completions), message (chat) or delta (a chat chunk)."""
+        if not self.chat:
+            choice: dict = {"index": 0, "text": text}
+        elif chunk:
+            choice = {"index": 0, "delta": {"content": text} if text else {}}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        logprobs = None
+        if self.want_logprobs and lps is not None:
+            logprobs = _logprobs(self.tokenizer, lps, self.chat, self.offset)
+            self.offset += sum(len(t) for t in logprobs.get("tokens", []))
+        return {**choice, "logprobs": logprobs, "finish_reason": finish}
+
+    def usage(self) -> dict:
+        prompt, done = len(self.handle.request.prompt_ids), len(self.handle.result(0).token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def whole(self) -> dict:
+        gen = self.handle.result(0)
+        choice = self.choice(gen.text, gen.logprobs or [], _FINISH[gen.stop_reason], False)
+        return self.object(choice, False, self.usage())
+
+    async def events(self):
+        """The server-sent events of a streamed call, ending with data: [DONE]."""
+
+        def event(obj: dict) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        try:
+            if self.chat:  # OpenAI's first chunk names the role
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}  # fmt: skip
+                yield event(self.object(first, True))
+            async for step in self.handle:
+                if step.text or step.logprobs:
+                    yield event(
+                        self.object(self.choice(step.text, step.logprobs, None, True), True)
+                    )
+            gen = self.handle.result(0)
+            yield event(self.object(self.choice("", None, _FINISH[gen.stop_reason], True), True))
+            options = self.given.get("stream_options") or {}
+            if options.get("include_usage"):
+                yield event(self.object({}, True, self.usage()))
+        except Cancelled:
+            return
+        except Exception as err:  # an error past the first byte: the stream's last event
+            yield event({"error": {"message": str(err), "type": "server_error", "param": None,
+                                   "code": None}})  # fmt: skip
+        yield b"data: [DONE]\n\n"

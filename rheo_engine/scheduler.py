@@ -1,0 +1,259 @@
+"""A thread-safe front over one Engine: ``Scheduler.submit`` from any thread or event loop.
+
+One worker thread owns the engine and runs the requests one after another from a bounded
+queue; each request's steps reach its caller through its ``Handle`` (iterate it, or
+``async for`` over it). The front (submit, Handle, Step, QueueFull) is what a batched scheduler
+will keep: only ``Scheduler._run`` knows that requests run one at a time.
+
+    scheduler = Scheduler(engine, max_queue=16)
+    handle = scheduler.submit("Once upon a time", 64, temperature=0)   # checked here
+    for step in handle:                                                # or: async for
+        print(step.text, end="")
+    print(handle.result().stop_reason)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rheo_engine.request import Generation, Request
+from rheo_engine.verify import TokenLogprob
+
+if TYPE_CHECKING:
+    from rheo_engine.engine import Engine
+
+__all__ = ["Cancelled", "Handle", "QueueFull", "Scheduler", "Step"]
+
+
+class QueueFull(RuntimeError):
+    """submit() found max_queue requests already waiting (a server answers HTTP 429)."""
+
+
+class Cancelled(RuntimeError):
+    """The request was cancelled (Handle.cancel, or its reader went away) before it ended."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one decode step released: its new token ids, the text they release (held back
+    while it may still become a stop string; the last Step of a request carries the held-back
+    tail with no tokens) and, with logprobs=True, the tokens' logprobs."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+_END = object()  # the channel's last item: the request is over (result, error or cancelled)
+
+
+class Handle:
+    """One submitted request: iterate it (blocking) or ``async for`` it to get its Steps; the
+    Generation is ``result()`` (or ``await aresult()``) once it ends. A reader that stops early
+    (breaks out, is garbage-collected, or its asyncio task is cancelled) cancels the request:
+    it stops at its next step and its KV cache is freed. The channel is unbounded, but it never
+    holds more Steps than the request has steps (<= max_new_tokens)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request  # the engine Request: prompt_ids, max_new_tokens, seed, ...
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._result: Generation | None = None
+        self._error: BaseException | None = None
+
+    # --- the caller's side ----------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop the request at its next step (or before it starts, if it is still waiting)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Generation:
+        """The Generation, waiting up to ``timeout`` s (TimeoutError after); raises the
+        request's error, or Cancelled."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the request did not end within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    async def aresult(self) -> Generation:
+        """``result()`` for asyncio: drains the Steps, then returns the Generation."""
+        async for _ in self:
+            pass
+        return self.result(0)
+
+    def __iter__(self) -> Iterator[Step]:
+        try:
+            while True:
+                with self._cond:
+                    while not self._items:
+                        self._cond.wait()
+                    item = self._items.popleft()
+                if item is _END:
+                    self.result(0)  # raises the request's error, if any
+                    return
+                yield item
+        finally:
+            if not self._done.is_set():
+                self.cancel()
+
+    def __aiter__(self) -> AsyncIterator[Step]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Step]:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                with self._cond:
+                    item = self._items.popleft() if self._items else None
+                    if item is None:
+                        wake = asyncio.Event()
+                        self._waker = (loop, wake)
+                if item is None:
+                    await wake.wait()
+                    continue
+                if item is _END:
+                    self.result(0)
+                    return
+                yield item
+        finally:  # also on CancelledError: the reader went away
+            if not self._done.is_set():
+                self.cancel()
+
+    # --- the worker's side ----------------------------------------------------------------
+
+    def _put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            waker, self._waker = self._waker, None
+        if waker is not None:
+            loop, wake = waker
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the reader's event loop is closed: nobody is reading
+                self._cancel.set()
+
+    def _finish(self, result: Generation | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+        self._put(_END)
+
+
+class Scheduler:
+    """Runs an Engine's requests on one worker thread, one at a time, from a queue of at most
+    ``max_queue`` waiting requests. ``submit`` may be called from any thread or event loop."""
+
+    def __init__(self, engine: Engine, max_queue: int = 64) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue={max_queue!r} must be an int >= 1")
+        self.engine, self.max_queue = engine, max_queue
+        self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._running: Handle | None = None
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self._worker = threading.Thread(target=self._work, name="rheo-scheduler", daemon=True)
+        self._worker.start()
+
+    def submit(self, prompt, max_new_tokens: int = 128, **options) -> Handle:
+        """Queue a request (arguments as Engine.request; checked here, in the caller's thread:
+        a bad one raises ValueError at once). Raises QueueFull when max_queue are waiting."""
+        if not self._worker.is_alive():
+            raise RuntimeError("the scheduler is closed")
+        handle = Handle(self.engine.request(prompt, max_new_tokens, **options))
+        try:
+            self._queue.put_nowait(handle)
+        except queue.Full:
+            raise QueueFull(
+                f"{self.max_queue} requests are already waiting (max_queue={self.max_queue}); "
+                "retry later"
+            ) from None
+        return handle
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet started."""
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> Handle | None:
+        """The request the worker is running now, if any."""
+        with self._lock:
+            return self._running
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Cancel the running and waiting requests and stop the worker."""
+        while True:
+            try:
+                handle = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if handle is not None:
+                handle.cancel()
+                handle._finish(None, Cancelled("the scheduler was closed"))
+        running = self.running
+        if running is not None:
+            running.cancel()
+        self._queue.put(None)
+        self._worker.join(timeout)
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _work(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            with self._lock:
+                self._running = handle
+            try:
+                self._run(handle)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _run(self, handle: Handle) -> None:
+        """Run one request to its end, its Steps into its Handle; stop early when cancelled.
+        The one place that knows requests run one at a time (a batched scheduler replaces it)."""
+        request = handle.request
+        steps = iter(request)
+        try:
+            if handle.cancelled:  # while it waited
+                raise Cancelled("the request was cancelled before it started")
+            for ids in steps:
+                logprobs = request.step_logprobs if request.logprobs else []
+                handle._put(Step(ids, request.text_piece, logprobs))
+                if handle.cancelled:
+                    raise Cancelled("the request was cancelled")
+            if request.tail_text:
+                handle._put(Step([], request.tail_text))
+        except BaseException as err:  # the caller gets it from result() / iteration
+            steps.close()  # frees the request's KV cache now, not at garbage collection
+            kind = "cancelled" if isinstance(err, Cancelled) else "failed"
+            self.counts[kind] += 1
+            handle._finish(None, err)
+            return
+        self.counts["completed"] += 1
+        handle._finish(request.result, None)
