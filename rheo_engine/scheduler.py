@@ -95,9 +95,15 @@ class Handle:
         return self._result
 
     async def aresult(self) -> Generation:
-        """``result()`` for asyncio: drains the Steps, then returns the Generation."""
-        async for _ in self:
-            pass
+        """``result()`` for asyncio. It waits for the end in a helper thread, so the event loop
+        is not woken at every step (each wake-up takes the GIL from the engine's thread: with
+        per-step wake-ups a whole response cost ~9% more than the engine called directly, see
+        bench/serve_overhead.py). Cancelling the awaiting task cancels the request."""
+        try:
+            await asyncio.to_thread(self._done.wait)
+        finally:
+            if not self._done.is_set():
+                self.cancel()
         return self.result(0)
 
     def __iter__(self) -> Iterator[Step]:
