@@ -7,7 +7,8 @@ global state: two engines in one process share nothing but the read-only kernels
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.request import TREES, Generation, Request
+from rheo_engine.scheduler import Scheduler
 from rheo_engine.tree_policy import CostProfile
 
 __all__ = ["DEFAULT_PAIR", "TREES", "Engine", "Generation", "Request"]
@@ -77,6 +79,8 @@ class Engine:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys((*tokenizer.eos_ids, *extra)))
         # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
         self.cost_profiles: dict[str, CostProfile] = {}
+        self._scheduler: Scheduler | None = None
+        self._scheduler_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -148,6 +152,33 @@ class Engine:
                 yield request.text_piece
         if request.tail_text:
             yield request.tail_text
+
+    # --- asyncio: one scheduler -------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The engine's Scheduler (rheo_engine.scheduler; made on first use): one worker thread
+        that serves agenerate / astream (and the server) one request at a time, from a queue."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self)
+            return self._scheduler
+
+    async def agenerate(
+        self, prompt: str | list[int], max_new_tokens: int = 128, **options
+    ) -> Generation:
+        """``generate`` for asyncio, served by ``scheduler`` (options checked at once; a full
+        queue raises scheduler.QueueFull). Cancelling the awaiting task cancels the request."""
+        return await self.scheduler.submit(prompt, max_new_tokens, **options).aresult()
+
+    async def astream(
+        self, prompt: str | list[int], max_new_tokens: int = 128, **options
+    ) -> AsyncIterator[str]:
+        """``stream`` for asyncio, served by ``scheduler``; a reader that stops early cancels
+        the request (its KV cache is freed at once)."""
+        async for step in self.scheduler.submit(prompt, max_new_tokens, **options):
+            if step.text:
+                yield step.text
 
     def request(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Request:
         """A generation to iterate step by step: yields each step's new token ids; afterwards
