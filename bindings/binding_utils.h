@@ -89,6 +89,24 @@ inline DType dtype_of(const at::Tensor& t, const char* name, bool allow_float64)
        ", got ", at::toString(t.scalar_type()));
 }
 
+// The first inputs of the kernels that walk B trees of N nodes (verification, logit controls):
+// the target logits [B, N, V] (contiguous; fp32 / bf16 / fp16 / fp64) into args.dtype, B, N, V,
+// and the trees' tokens and parents [B, N] int32 on the logits' device.
+template <typename Args>
+void check_tree_logits(const at::Tensor& logits, const at::Tensor& tokens,
+                       const at::Tensor& parents, Args& a) {
+  check_shape(logits, "logits", {-1, -1, -1}, "[B, N, V]");
+  a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
+  check_contiguous(logits, "logits");
+  a.B = logits.size(0);
+  a.N = logits.size(1);
+  a.V = logits.size(2);
+  check_buffer(tokens, "tokens", at::kInt, {a.B, a.N}, "[B, N]");
+  check_buffer(parents, "parents", at::kInt, {a.B, a.N}, "[B, N]");
+  check_same_device(tokens, "tokens", logits, "logits");
+  check_same_device(parents, "parents", logits, "logits");
+}
+
 // The accumulation dtype of the probability outputs: float64 for float64 logits, else float32.
 inline at::ScalarType acc_dtype(DType dtype) {
   return dtype == DType::kFloat64 ? at::kDouble : at::kFloat;

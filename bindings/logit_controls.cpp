@@ -13,15 +13,8 @@ void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tens
                     const at::Tensor& suppress_below, double repetition_penalty,
                     double presence_penalty, double frequency_penalty,
                     const std::optional<at::Tensor>& status) {
-  check_shape(logits, "logits", {-1, -1, -1}, "[B, N, V]");
   LogitControlsArgs a;
-  a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
-  check_contiguous(logits, "logits");
-  a.B = logits.size(0);
-  a.N = logits.size(1);
-  a.V = logits.size(2);
-  check_buffer(tokens, "tokens", at::kInt, {a.B, a.N}, "[B, N]");
-  check_buffer(parents, "parents", at::kInt, {a.B, a.N}, "[B, N]");
+  check_tree_logits(logits, tokens, parents, a);
   check_buffer(history_ids, "history_ids", at::kInt, {a.B, -1}, "[B, H]");
   check_buffer(history_counts, "history_counts", at::kInt, {a.B, history_ids.size(1)},
                "[B, H] (the shape of history_ids)");
@@ -29,8 +22,8 @@ void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tens
   check_buffer(suppress_ids, "suppress_ids", at::kInt, {-1}, "[E]");
   check_buffer(suppress_below, "suppress_below", at::kInt, {a.B}, "[B]");
   for (const auto& [t, name] :
-       {std::pair{&tokens, "tokens"}, {&parents, "parents"}, {&history_ids, "history_ids"},
-        {&history_counts, "history_counts"}, {&history_len, "history_len"},
+       {std::pair{&history_ids, "history_ids"}, {&history_counts, "history_counts"},
+        {&history_len, "history_len"},
         {&suppress_ids, "suppress_ids"}, {&suppress_below, "suppress_below"}})
     check_same_device(*t, name, logits, "logits");
   a.logits = logits.data_ptr();

@@ -17,15 +17,8 @@ VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
                         const at::Tensor& parents, const at::Tensor& sampled_row,
                         const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,
                         double T, double top_p, int64_t top_k, double min_p) {
-  check_shape(logits, "logits", {-1, -1, -1}, "[B, N, V]");
   VerificationArgs a;
-  a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
-  check_contiguous(logits, "logits");
-  a.B = logits.size(0);
-  a.N = logits.size(1);
-  a.V = logits.size(2);
-  check_buffer(tokens, "tokens", at::kInt, {a.B, a.N}, "[B, N]");
-  check_buffer(parents, "parents", at::kInt, {a.B, a.N}, "[B, N]");
+  check_tree_logits(logits, tokens, parents, a);
   check_buffer(sampled_row, "sampled_row", at::kInt, {a.B, a.N}, "[B, N]");
   check_buffer(q_tilde_ids, "q_tilde_ids", at::kInt, {-1, -1}, "[R, Se]");
   const at::ScalarType acc = acc_dtype(a.dtype);
@@ -35,9 +28,8 @@ VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
              "; convert it with .to(", acc_name, ")");
   check_buffer(q_tilde, "q_tilde", acc, {q_tilde_ids.size(0), q_tilde_ids.size(1)},
                "[R, Se] (the shape of q_tilde_ids)");
-  for (const auto& [t, name] : {std::pair{&tokens, "tokens"}, {&parents, "parents"},
-                                {&sampled_row, "sampled_row"}, {&q_tilde_ids, "q_tilde_ids"},
-                                {&q_tilde, "q_tilde"}})
+  for (const auto& [t, name] : {std::pair{&sampled_row, "sampled_row"},
+                                {&q_tilde_ids, "q_tilde_ids"}, {&q_tilde, "q_tilde"}})
     check_same_device(*t, name, logits, "logits");
   RHEO_CHECK(top_k <= INT32_MAX, "top_k=", top_k, " must fit int32; use 0 to disable");
   a.logits = logits.data_ptr();
