@@ -73,5 +73,5 @@ def test_non_finite_and_bad_json(tmp_path):
     with pytest.raises(ValueError, match="is not valid JSON"):
         GenerationDefaults.from_dir(tmp_path)
     (tmp_path / "generation_config.json").write_text("[1]")
-    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+    with pytest.raises(ValueError, match="holds a list, not a JSON object"):
         GenerationDefaults.from_dir(tmp_path)

@@ -10,11 +10,12 @@ decides what an absent value means and can say where each value came from.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rheo_engine.config import read_json_object
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,7 @@ class GenerationDefaults:
         file = Path(path) / "generation_config.json"
         if not file.is_file():
             return None
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{file} is not valid JSON ({err}); restore the model's file") from err
-        if not isinstance(data, dict):
-            raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+        data = read_json_object(file)
         return cls(
             path=file,
             eos_token_ids=_eos_ids(file, data.get("eos_token_id")),

@@ -19,12 +19,13 @@ what is done here:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+from rheo_engine.config import read_json_object
 
 # The names a chat template may read, as transformers' special_tokens_map spells them.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -52,13 +53,7 @@ def read_tokenizer_config(path: Path) -> dict[str, Any]:
     file = path / "tokenizer_config.json"
     if not file.is_file():
         return {}
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err}); restore the model's own file") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(file)
 
 
 def load_hf_tokenizer(path: Path) -> HFTokenizerFiles:
