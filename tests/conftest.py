@@ -137,6 +137,31 @@ def default_engine():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def engine32():
+    """The default pair in fp32: exact greedy comparisons with HF, and the lossless G-tests
+    (test_engine.py, test_sampling_controls.py)."""
+    import torch
+
+    from rheo_engine import Engine
+    from rheo_engine.engine import DEFAULT_PAIR
+
+    return Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft",
+                                  dtype=torch.float32)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    """HF transformers' LlamaForCausalLM over the default target's files, in fp32."""
+    import torch
+
+    from rheo_engine.engine import DEFAULT_PAIR
+
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaForCausalLM.from_pretrained(DEFAULT_PAIR / "target",
+                                                         dtype=torch.float32).eval()  # fmt: skip
+
+
 # --- a tiny random pair (test_context.py, test_engine_inputs.py) --------------------------------
 
 TINY_CONTEXT = 48

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import LLAMA2C, WHERE
+from conftest import shared_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
@@ -191,13 +191,6 @@ def vicuna_config() -> dict:
             "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
 
 
-def _shared_model(name: str) -> Path:
-    path = LLAMA2C / name
-    if not path.is_file():
-        pytest.skip(f"{path} not found: it comes from {WHERE}")
-    return path
-
-
 # ---- session fixtures (conftest.py imports them) -------------------------------------------
 
 
@@ -222,14 +215,16 @@ def hf_tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_llama2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tok = sentencepiece_tokenizer_json(_shared_model("llama2_tokenizer.model"))
+    tok = sentencepiece_tokenizer_json(shared_file("fixtures/llama2c/llama2_tokenizer.model"))
     return write_layout(tmp_path_factory.mktemp("hf") / "llama2", tok, vicuna_config())
 
 
 @pytest.fixture(scope="session")
 def _llama3_tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
     # One conversion (the slow part, ~10 s), two sets of special-token names.
-    tok = tiktoken_tokenizer_json(_shared_model("llama3_tokenizer.model"), LLAMA3_SPECIAL_TOKENS)
+    tok = tiktoken_tokenizer_json(
+        shared_file("fixtures/llama2c/llama3_tokenizer.model"), LLAMA3_SPECIAL_TOKENS
+    )
     return tok.to_str()
 
 

@@ -44,21 +44,6 @@ def engine() -> Engine:
     return Engine.from_pretrained()
 
 
-@pytest.fixture(scope="module")
-def engine32() -> Engine:
-    """The default pair in fp32: exact greedy comparisons, and the lossless G-tests."""
-    return Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft",
-                                  dtype=torch.float32)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def hf_target():
-    """HF transformers' LlamaForCausalLM over the default target's files, in fp32."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.LlamaForCausalLM.from_pretrained(DEFAULT_PAIR / "target",
-                                                         dtype=torch.float32).eval()  # fmt: skip
-
-
 def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """[len(ids), V] fp32 logits of one causal forward over ``ids``."""
     cache = model.new_cache(len(ids))

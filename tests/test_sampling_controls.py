@@ -22,26 +22,12 @@ from test_engine import G_PROMPT, G_RUNS, G_TREE, hf_greedy
 
 from rheo_engine import Engine, reference
 from rheo_engine.config import SamplingConfig
-from rheo_engine.engine import DEFAULT_PAIR
 
 transformers = pytest.importorskip("transformers")
 lp = transformers.generation.logits_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONTROLS = dict(repetition_penalty=1.3, min_p=0.05)
-
-
-@pytest.fixture(scope="module")
-def engine32() -> Engine:
-    return Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft",
-                                  dtype=torch.float32)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def hf_target():
-    return transformers.LlamaForCausalLM.from_pretrained(
-        DEFAULT_PAIR / "target", torch_dtype=torch.float32
-    ).eval()
 
 
 # --- lossless: G-test ------------------------------------------------------------------------
