@@ -14,11 +14,11 @@ Usage: python bench/bench_logit_controls.py [--quick]
 from __future__ import annotations
 
 import statistics
-import subprocess
 import time
 
 import torch
 from bench_verification import make_tree
+from common import commit_id
 from inputs import ArgumentParser
 
 from rheo_engine import kernels, reference
@@ -53,13 +53,8 @@ def main() -> None:
     sizes = [(V, H) for V in (32000, 128256) for H in (100, 2000)]
     if opt.quick:
         sizes = [(32000, 100), (32000, 2000)]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit = "uncommitted"
     print(f"# device=cpu, torch {torch.__version__}, "
-          f"threads={torch.get_num_threads()}, commit={commit or 'uncommitted'}")  # fmt: skip
+          f"threads={torch.get_num_threads()}, commit={commit_id()}")  # fmt: skip
     print("kernel,dtype,N,V,H,us_controls,us_verification,controls_share")
     for V, H in sizes:
         logits60, tokens60, parents60, sampled60, q_ids, q_tilde = make_tree(V, 12.0)

@@ -26,6 +26,7 @@ import time
 
 import torch
 import uvicorn
+from common import commit_id
 
 from rheo_engine.engine import Engine
 from rheo_engine.scheduler import Scheduler
@@ -100,11 +101,10 @@ def main() -> None:
         times["http_stream"].append(seconds)
     uv.should_exit = True
     scheduler.close()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     print(f"# default pair, {args.max_tokens} tokens at temperature 0, {len(want.token_ids)} "
           f"emitted; torch threads {torch.get_num_threads()}; {args.runs} rounds; client "
           f"{'in its own process' if args.client_process else 'in the server process'}; "
-          f"commit {commit.stdout.strip()}")  # fmt: skip
+          f"commit {commit_id()}")  # fmt: skip
     print("way,median_ms,overhead_vs_direct_pct")
     for way, values in times.items():
         ratio = statistics.median(v / d for v, d in zip(values, times["direct"], strict=True))
