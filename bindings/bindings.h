@@ -42,9 +42,11 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
 // skinny linear (csrc/include/rheo/skinny_linear.h)
 void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 
-// tree attention (csrc/include/rheo/tree_attention.h)
+// tree attention (csrc/include/rheo/tree_attention.h); prefix_lens, kv_slots: None or [B] int32
 void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& tree_mask, int64_t prefix_len, double scale, at::Tensor& out);
+                    const at::Tensor& tree_mask, int64_t prefix_len,
+                    const std::optional<at::Tensor>& prefix_lens,
+                    const std::optional<at::Tensor>& kv_slots, double scale, at::Tensor& out);
 
 // verification (csrc/include/rheo/verification.h); method: 0 = topk, 1 = rrsw, 2 = rheo
 void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,

@@ -47,7 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // skinny linear
   m.def("skinny_linear", &b::skinny_linear, "y = x W^T for a few rows of x (fp32 sums).");
   // tree attention
-  m.def("tree_attention", &b::tree_attention, "Attention of N tree nodes over prefix + tree (GQA).");
+  m.def("tree_attention", &b::tree_attention, "Attention of N tree nodes over prefix + tree (GQA), ragged / pooled.");
   // verification
   m.def("verification", &b::verification, "Accepted path and emitted token of each tree.");
   m.def("verification_law", &b::verification_law, "Exact law of the walk (CPU; tests).");

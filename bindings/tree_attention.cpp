@@ -1,5 +1,7 @@
-// Binding of tree attention (csrc/include/rheo/tree_attention.h): checks q, k, v, tree_mask and
-// out, fills TreeAttentionArgs and calls the CPU or CUDA kernel by device.
+// Binding of tree attention (csrc/include/rheo/tree_attention.h): checks q, k, v, tree_mask, out
+// and the optional prefix_lens / kv_slots, fills TreeAttentionArgs and calls the CPU or CUDA
+// kernel by device. The values of prefix_lens and kv_slots are checked by tree_attention_cpu on
+// the CPU; on CUDA they stay unchecked on the device (reading them here would sync every layer).
 #include "binding_utils.h"
 #include "bindings.h"
 #include "rheo/tree_attention.h"
@@ -28,12 +30,31 @@ void check_same_strides(const at::Tensor& k, const at::Tensor& v) {
              "; call .contiguous() on both");
 }
 
+// An optional [B] int32 array of the batch (prefix_lens, kv_slots) on the device of q.
+void check_per_sequence(const std::optional<at::Tensor>& t, const char* name, int64_t B,
+                        const at::Tensor& q) {
+  if (!t) return;
+  check_buffer(*t, name, at::kInt, {B}, "[B]");
+  check_same_device(*t, name, q, "q");
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& tree_mask, int64_t prefix_len, const at::Tensor& out) {
+                  const at::Tensor& tree_mask, int64_t prefix_len,
+                  const std::optional<at::Tensor>& prefix_lens,
+                  const std::optional<at::Tensor>& kv_slots, const at::Tensor& out) {
   check_shape(q, "q", {-1, -1, -1, -1}, "[B, N, H, D]");
   const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
-  check_shape(k, "k", {B, -1, -1, D}, "[B, Lc, Hkv, D]");
-  check_shape(v, "v", {B, k.size(1), k.size(2), D}, "[B, Lc, Hkv, D] (the shape of k)");
+  const char* kv_dims = kv_slots ? "[S, Lc, Hkv, D]" : "[B, Lc, Hkv, D]";
+  check_shape(k, "k", {-1, -1, -1, D}, kv_dims);
+  RHEO_CHECK(kv_slots || k.size(0) == B, "k must be [B, Lc, Hkv, D] with B=", B,
+             " (q's batch) when kv_slots is None, got ", shape_str(k.sizes()),
+             "; pass kv_slots [B] to read the sequences from slots of a KV pool");
+  check_shape(v, "v", {k.size(0), k.size(1), k.size(2), D},
+              kv_slots ? "[S, Lc, Hkv, D] (the shape of k)" : "[B, Lc, Hkv, D] (the shape of k)");
+  check_per_sequence(prefix_lens, "prefix_lens", B, q);
+  check_per_sequence(kv_slots, "kv_slots", B, q);
+  RHEO_CHECK(!kv_slots || B == 0 || k.size(0) >= 1, "kv_slots needs k and v with S >= 1 slots, ",
+             "got k ", shape_str(k.sizes()), "; pass the KV pool");
   dtype_of(q, "q", /*allow_float64=*/false);
   check_dtype(k, "k", q.scalar_type());
   check_dtype(v, "v", q.scalar_type());
@@ -60,9 +81,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }  // namespace
 
 void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& tree_mask, int64_t prefix_len, double scale,
-                    at::Tensor& out) {
-  check_inputs(q, k, v, tree_mask, prefix_len, out);
+                    const at::Tensor& tree_mask, int64_t prefix_len,
+                    const std::optional<at::Tensor>& prefix_lens,
+                    const std::optional<at::Tensor>& kv_slots, double scale, at::Tensor& out) {
+  check_inputs(q, k, v, tree_mask, prefix_len, prefix_lens, kv_slots, out);
   TreeAttentionArgs args;
   args.q = q.const_data_ptr();
   args.k = k.const_data_ptr();
@@ -76,6 +98,9 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   args.D = q.size(3);
   args.Hkv = k.size(2);
   args.prefix_len = prefix_len;
+  if (prefix_lens) args.prefix_lens = prefix_lens->const_data_ptr<int32_t>();
+  if (kv_slots) args.kv_slots = kv_slots->const_data_ptr<int32_t>();
+  args.S = k.size(0);
   args.q_stride_b = q.stride(0);
   args.q_stride_n = q.stride(1);
   args.q_stride_h = q.stride(2);

@@ -284,18 +284,29 @@ def tree_attention(
     tree_mask: torch.Tensor,
     prefix_len: int,
     scale: float | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    kv_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, N, H, D] over k, v [B, Lc, Hkv, D] (prefix + tree) -> [B, N, H, D].
 
     ``tree_mask`` [B, N, N] uint8 marks each node's ancestors and itself; every node sees the
     whole prefix (rows 0..prefix_len-1 of the cache); tree rows start at ``prefix_len``.
+
+    A ragged batch from a KV pool: ``prefix_lens`` [B] int32 gives each sequence's prefix
+    length P_b (it sees rows 0..P_b-1, its tree rows are P_b..P_b+N-1) and ``kv_slots`` [B] int32
+    the slot of k, v [S, Lc, Hkv, D] that holds it (any S; without it S = B, slot b). Both live
+    on q's device: the caller uploads them once per forward and reuses them for every layer.
+    ``prefix_len`` must then be max(prefix_lens) (or any bound of them), known on the host: the
+    CUDA split plan is sized from it, so nothing is read back. On the CPU every value is
+    checked (ValueError); on CUDA bad values are not detected (they are clamped into range).
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, N, H, D], got shape {list(q.shape)}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _C.tree_attention(
-        q, k, v, tree_mask, prefix_len, q.shape[-1] ** -0.5 if scale is None else scale, out
-    )
+        q, k, v, tree_mask, prefix_len, prefix_lens, kv_slots,
+        q.shape[-1] ** -0.5 if scale is None else scale, out,
+    )  # fmt: skip
     return out
 
 

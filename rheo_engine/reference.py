@@ -7,6 +7,8 @@ Notation as in DESIGN.md: p target, q draft, q_tilde the sparse sampled distribu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # === coins (csrc/include/rheo/common.h) ===
@@ -259,6 +261,8 @@ def tree_attention_ref(
     tree_mask: torch.Tensor,
     prefix_len: int,
     scale: float | None = None,
+    prefix_lens: Sequence[int] | torch.Tensor | None = None,
+    kv_slots: Sequence[int] | torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -268,7 +272,22 @@ def tree_attention_ref(
     tree_mask[b, i, j] = 1; query head h reads KV head h // (H // Hkv). Scores, softmax and the
     V sum run in ``compute_dtype`` (float32; the tests also run it in bf16/fp16 to measure
     plain torch's rounding noise). A node that sees no row gets zeros.
+    ``prefix_lens`` [B] (list or tensor) gives sequence b its own prefix length instead of
+    ``prefix_len``, ``kv_slots`` [B] the batch index of k, v [S, Lc, Hkv, D] that holds it.
     """
+    if prefix_lens is not None or kv_slots is not None:
+        # Ragged / pooled: each sequence alone, with its own prefix and slot.
+        outs = []
+        for b in range(q.shape[0]):
+            p = prefix_len if prefix_lens is None else int(prefix_lens[b])
+            s = b if kv_slots is None else int(kv_slots[b])
+            outs.append(
+                tree_attention_ref(
+                    q[b : b + 1], k[s : s + 1], v[s : s + 1], tree_mask[b : b + 1], p, scale,
+                    compute_dtype=compute_dtype,
+                )
+            )  # fmt: skip
+        return torch.cat(outs) if outs else torch.empty_like(q)
     B, N, H, D = q.shape
     group = H // k.shape[2]
     scale = D**-0.5 if scale is None else scale

@@ -219,6 +219,109 @@ def test_bad_input_names_gqa_rule_exactly():
         kernels.tree_attention(q, k, v, mask, 1)
 
 
+# --- ragged batches from a KV pool: per-sequence prefix lengths and slots ---------------------
+
+RAGGED_PREFIXES = [0, 3, 17, 70]
+RAGGED_SLOTS = [4, 0, 5, 2]  # into S = 6 slots; slots 1 and 3 hold other requests
+
+
+def ragged_inputs(dtype=torch.float32, seed=41, N=7, H=8, Hkv=2, D=32, S=6):
+    """q, k, v of a pool: sequence b lives in slot RAGGED_SLOTS[b] with RAGGED_PREFIXES[b] prefix
+    rows then its N tree rows; every other row of the pool (the rest of the slot, the unused
+    slots) is NaN, so a read outside the sequence's rows shows in its output."""
+    gen = torch.Generator().manual_seed(seed)
+    B, P = len(RAGGED_PREFIXES), max(RAGGED_PREFIXES)
+    Lc = P + N + 2
+    q = torch.randn(B, N, H, D, generator=gen).to(dtype)
+    k = torch.full((S, Lc, Hkv, D), float("nan"))
+    v = torch.full((S, Lc, Hkv, D), float("nan"))
+    for p, s in zip(RAGGED_PREFIXES, RAGGED_SLOTS, strict=True):
+        k[s, : p + N] = torch.randn(p + N, Hkv, D, generator=gen)
+        v[s, : p + N] = torch.randn(p + N, Hkv, D, generator=gen)
+    mask = random_tree_mask(B, N, gen)
+    mask[0, 2] = 0  # sequence 0 has prefix 0: node 2 sees nothing and must get zeros
+    prefix_lens = torch.tensor(RAGGED_PREFIXES, dtype=torch.int32)
+    kv_slots = torch.tensor(RAGGED_SLOTS, dtype=torch.int32)
+    return q, k.to(dtype), v.to(dtype), mask, P, prefix_lens, kv_slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_batch_from_pool_matches_reference(dtype):
+    q, k, v, mask, P, prefix_lens, kv_slots = ragged_inputs(dtype)
+    out = kernels.tree_attention(q, k, v, mask, P, prefix_lens=prefix_lens, kv_slots=kv_slots)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert (out[0, 2] == 0).all()
+    exact = reference.tree_attention_ref(
+        q.float(), k.float(), v.float(), mask, P, prefix_lens=RAGGED_PREFIXES, kv_slots=kv_slots
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, exact, atol=2e-6, rtol=1e-5)
+    else:  # fp32 inside, one rounding of the output: at most one bf16 step of the largest value
+        assert (out.float() - exact).abs().max().item() <= exact.abs().max().item() * 2.0**-8
+
+
+def test_ragged_batch_is_bitwise_each_sequence_alone():
+    # Batch invariance (what the engine relies on: a request gives the same tokens alone and in
+    # a batch): each sequence's rows equal, bit for bit, the sequence run alone with B = 1, its
+    # own slot as k, v and its prefix length as the scalar prefix_len.
+    q, k, v, mask, P, prefix_lens, kv_slots = ragged_inputs(torch.float32, seed=43)
+    out = kernels.tree_attention(q, k, v, mask, P, prefix_lens=prefix_lens, kv_slots=kv_slots)
+    for b, (p, s) in enumerate(zip(RAGGED_PREFIXES, RAGGED_SLOTS, strict=True)):
+        alone = kernels.tree_attention(q[b : b + 1], k[s : s + 1], v[s : s + 1], mask[b : b + 1], p)
+        assert torch.equal(out[b : b + 1], alone), b
+    # A bound above the max changes nothing either.
+    loose = kernels.tree_attention(q, k, v, mask, P + 2, prefix_lens=prefix_lens, kv_slots=kv_slots)
+    assert torch.equal(loose, out)
+
+
+def test_uniform_arrays_equal_the_scalar_path_bitwise():
+    # prefix_lens all prefix_len and kv_slots = 0..B-1 are the plain batch, bit for bit; either
+    # array may come alone.
+    B, N, H, Hkv, D, P = 3, 6, 6, 3, 24, 40
+    q, k, v, mask = random_inputs(B, N, H, Hkv, D, P, extra_rows=2, seed=47)
+    plain = kernels.tree_attention(q, k, v, mask, P)
+    lens = torch.full((B,), P, dtype=torch.int32)
+    slots = torch.arange(B, dtype=torch.int32)
+    assert torch.equal(kernels.tree_attention(q, k, v, mask, P, prefix_lens=lens), plain)
+    assert torch.equal(kernels.tree_attention(q, k, v, mask, P, kv_slots=slots), plain)
+    both = kernels.tree_attention(q, k, v, mask, P, prefix_lens=lens, kv_slots=slots)
+    assert torch.equal(both, plain)
+    # Reversed slots: sequence b reads slot B-1-b.
+    rev = kernels.tree_attention(q, k.flip(0), v.flip(0), mask, P, kv_slots=slots.flip(0))
+    assert torch.equal(rev, plain)
+
+
+def _ragged_good():
+    q, k, v, mask, P, prefix_lens, kv_slots = ragged_inputs(seed=53)
+    return q, k, v, mask, P, prefix_lens, kv_slots
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda *a: (*a[:4], 69, *a[5:]), r"prefix_lens\[3\]=70 must be in \[0, prefix_len=69\]"),
+        (lambda *a: (*a[:5], _i32([0, -1, 17, 70]), a[6]), r"prefix_lens\[1\]=-1 must be in"),
+        (lambda *a: (*a[:6], _i32([4, 0, 6, 2])), r"kv_slots\[2\]=6 must be a slot.*S=6"),
+        (lambda *a: (*a[:6], _i32([4, -2, 5, 2])), r"kv_slots\[1\]=-2 must be a slot"),
+        (lambda *a: (*a[:5], _i32([0, 3, 17]), a[6]), r"prefix_lens must be \[B\] = \[4\]"),
+        (lambda *a: (*a[:6], a[6].long()), "kv_slots must have dtype Int"),
+        (lambda *a: (*a[:5], a[5].float(), a[6]), "prefix_lens must have dtype Int"),
+        (lambda *a: (*a[:5], _i32([[0, 3, 17, 70]]), a[6]), r"prefix_lens must be \[B\]"),
+        (lambda *a: (*a[:6], None), r"k must be \[B, Lc, Hkv, D\] with B=4.*pass kv_slots"),
+        (lambda *a: (a[0], a[1], a[2][:5], *a[3:]), r"v must be \[S, Lc, Hkv, D\]"),
+        (lambda *a: (*a[:4], 76, *a[5:]), r"prefix_len \+ N must be <= Lc"),
+    ],
+)
+def test_ragged_bad_input_raises_value_error(change, match):
+    q, k, v, mask, P, prefix_lens, kv_slots = change(*_ragged_good())
+    with pytest.raises(ValueError, match=match):
+        kernels.tree_attention(q, k, v, mask, P, prefix_lens=prefix_lens, kv_slots=kv_slots)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
@@ -235,4 +338,28 @@ def test_cuda_matches_cpu(dtype, B, N, H, Hkv, D, prefix_len):
     ).cpu()
     # Both accumulate in fp32; they differ only by summation order and one output rounding.
     tol = 2e-5 if dtype == torch.float32 else (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
+    torch.testing.assert_close(gpu.float(), cpu.float(), atol=tol, rtol=tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefixes", [[0, 3, 17, 70], [1500, 0, 9, 2], [0, 0, 0, 0]])
+def test_cuda_ragged_matches_cpu(dtype, prefixes):
+    # Long max prefix with short sequences: whole key splits of the CUDA plan are empty.
+    N, H, Hkv, D, S = 9, 8, 2, 64, 6
+    slots = [4, 0, 5, 2]
+    gen = torch.Generator().manual_seed(59)
+    Lc = max(prefixes) + N + 1
+    q = torch.randn(len(prefixes), N, H, D, generator=gen).to(dtype)
+    k = torch.randn(S, Lc, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(S, Lc, Hkv, D, generator=gen).to(dtype)
+    mask = random_tree_mask(len(prefixes), N, gen)
+    mask[:, -1] = 0  # blind where the prefix is 0
+    lens, kv_slots = _i32(prefixes), _i32(slots)
+    cpu = kernels.tree_attention(q, k, v, mask, max(prefixes), prefix_lens=lens, kv_slots=kv_slots)
+    gpu = kernels.tree_attention(
+        *(t.cuda() for t in (q, k, v, mask)), max(prefixes),
+        prefix_lens=lens.cuda(), kv_slots=kv_slots.cuda(),
+    ).cpu()  # fmt: skip
+    tol = 2e-5 if dtype == torch.float32 else 2.0**-7
     torch.testing.assert_close(gpu.float(), cpu.float(), atol=tol, rtol=tol)

@@ -1,7 +1,9 @@
 // Tree attention on the CPU (DESIGN.md §1 step 2): every tree node attends to the whole cached
 // prefix plus the tree rows its mask allows, with GQA.
 //
-// Work split: one task per (b, KV head, block of nodes). A task holds the M = nodes * G query
+// Work split: one task per (b, KV head, block of nodes). A task reads only its own sequence: the
+// slot kv_slots[b] (or b) and rows 0..P_b+N-1 of it, P_b its prefix length, so a sequence's output
+// is the same bits whatever else is in the batch (the tiles start at row 0 for every b). A task holds the M = nodes * G query
 // rows (G = H / Hkv heads share the KV head) as one small matrix, so each K/V row is loaded
 // (and converted from bf16/fp16) once per task and used by all M queries. The rows of the cache
 // are walked in tiles of kTileRows with an online softmax (running max and sum per query, as in
@@ -121,6 +123,7 @@ inline void pv_block(const float* w, int64_t ld_w, const float* v, int64_t ld_v,
 
 struct Task {
   int64_t b, kvh, n0, nodes, M;  // query row m = (n - n0) * G + g, head h = kvh * G + g
+  int64_t prefix, slot;          // P_b (prefix_lens[b] or prefix_len) and the k/v slot of b
 };
 
 // Per-thread scratch, sized for the largest task: Mp = M rounded up to kQueryBlock, Dp = D
@@ -155,15 +158,15 @@ void gather_queries(const TreeAttentionArgs& a, const Task& t, int64_t G, Worksp
   std::fill(ws.acc.begin(), ws.acc.end(), 0.0f);
 }
 
-// May query row m see cache row j? Every prefix row; tree row prefix_len + c if tree_mask allows.
+// May query row m see cache row j? Every prefix row; tree row P_b + c if tree_mask allows.
 inline bool allowed(const TreeAttentionArgs& a, const Task& t, int64_t G, int64_t m, int64_t j) {
-  if (j < a.prefix_len) return true;
+  if (j < t.prefix) return true;
   const int64_t n = t.n0 + m / G;
-  return a.tree_mask[(t.b * a.N + n) * a.N + (j - a.prefix_len)] != 0;
+  return a.tree_mask[(t.b * a.N + n) * a.N + (j - t.prefix)] != 0;
 }
 
 inline int64_t kv_offset(const TreeAttentionArgs& a, const Task& t, int64_t j) {
-  return t.b * a.kv_stride_b + j * a.kv_stride_l + t.kvh * a.kv_stride_h;
+  return t.slot * a.kv_stride_b + j * a.kv_stride_l + t.kvh * a.kv_stride_h;
 }
 
 // Step 1: p[r, m] = scale * <q_m, k_{j0+r}>, or -inf where the mask forbids the pair; padded
@@ -234,7 +237,7 @@ RHEO_HOT_LOOP void accumulate_tile(const TreeAttentionArgs& a, const Task& t, in
   }
 }
 
-// Step 4: out = acc / run_sum. A node that sees no row at all (prefix_len = 0 and an empty
+// Step 4: out = acc / run_sum. A node that sees no row at all (P_b = 0 and an empty
 // mask row) gets zeros, as the header states.
 void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
   for (int64_t m = 0; m < t.M; ++m) {
@@ -248,7 +251,7 @@ void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspa
 
 void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
   gather_queries(a, t, G, ws);
-  const int64_t L = a.prefix_len + a.N;  // cache rows any node may see
+  const int64_t L = t.prefix + a.N;  // cache rows any node of sequence b may see
   for (int64_t j0 = 0; j0 < L; j0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, L - j0);
     score_tile(a, t, G, j0, rows, ws);
@@ -268,6 +271,18 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
   RHEO_CHECK(args.prefix_len >= 0, "prefix_len must be >= 0, got ", args.prefix_len);
   RHEO_CHECK(args.dtype != DType::kFloat64, "tree_attention takes float32, float16 or bfloat16, ",
              "got float64; convert q, k, v with .float()");
+  // prefix_lens and kv_slots are host memory here: check every value before any work.
+  for (int64_t b = 0; args.prefix_lens && b < args.B; ++b)
+    RHEO_CHECK(args.prefix_lens[b] >= 0 && args.prefix_lens[b] <= args.prefix_len, "prefix_lens[",
+               b, "]=", args.prefix_lens[b], " must be in [0, prefix_len=", args.prefix_len,
+               "]; pass prefix_len = max(prefix_lens)");
+  if (args.kv_slots && args.B > 0)
+    RHEO_CHECK(args.S >= 1, "kv_slots needs S >= 1, the slots of k and v (their first dim), ",
+               "got S=", args.S, "; set args.S");
+  for (int64_t b = 0; args.kv_slots && b < args.B; ++b)
+    RHEO_CHECK(args.kv_slots[b] >= 0 && args.kv_slots[b] < args.S, "kv_slots[", b, "]=",
+               args.kv_slots[b], " must be a slot of k and v, in [0, S=", args.S,
+               "); pass the slot that holds sequence ", b);
   if (args.B == 0 || args.N == 0) return;
   const int64_t G = args.H / args.Hkv;
   const int64_t nodes = std::clamp<int64_t>(kTargetRows / G, 1, args.N);
@@ -293,6 +308,8 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
     t.n0 = (task % blocks) * nodes;
     t.nodes = std::min(nodes, args.N - t.n0);
     t.M = t.nodes * G;
+    t.prefix = args.prefix_lens ? args.prefix_lens[t.b] : args.prefix_len;
+    t.slot = args.kv_slots ? args.kv_slots[t.b] : t.b;
     run_task(args, t, G, ws);
   }
 }

@@ -6,8 +6,9 @@
 // grid = (row tiles * splits, Hkv, B). The block keeps its Q tile in shared memory (float32,
 // d-major), walks its keys in tiles of kKeys = 32 (K d-major and V row-major in shared memory,
 // converted to float32 once per tile), and for every tile computes the 64 x 32 scores, applies
-// the tree mask inside the tile (prefix rows always visible, tree row prefix_len + c to node n
-// only where tree_mask[b, n, c] = 1), and updates an online softmax per query row (running max,
+// the tree mask inside the tile (prefix rows always visible, tree row P_b + c to node n only
+// where tree_mask[b, n, c] = 1; P_b = prefix_lens[b] or prefix_len, read from the slot
+// kv_slots[b] or b), and updates an online softmax per query row (running max,
 // running sum, float32 accumulator over D). Thread t = (ty, tx) = (t / 16, t % 16) owns rows
 // 4 ty .. 4 ty + 3 in both products: scores for keys tx and tx + 16 (a 4 x 2 register tile),
 // output columns 4 tx + 64 c .. +3 (a 4 x 4 kVec register tile). The 16 threads of a row set are
@@ -19,6 +20,10 @@
 // (max, sum, unnormalised accumulator) per row to a float32 workspace, and merge_kernel adds the
 // splits in split order with a log-sum-exp merge, so the result does not depend on the schedule.
 // One split (short prefix or a full grid) writes the output directly and needs no workspace.
+// Ragged batches (prefix_lens): the plan is made on the host from prefix_len, the bound of every
+// P_b, since the P_b live on the device. A block clips its key range to its own P_b + N; a block
+// whose range starts past it runs no tile and writes the empty partial (max -inf, sum 0, acc 0),
+// which the merge skips (weight exactly 0), so such a block costs a launch and nothing else.
 //
 // Why: the old kernel (one block per (node, head)) read each K/V row N * G times. Here a K/V row
 // is read by ceil(N * G / 64) blocks, which run side by side and share it through L2. At the
@@ -104,6 +109,8 @@ void check_args(const TreeAttentionArgs& a) {
              "(grid y and z), got Hkv=", a.Hkv, ", B=", a.B, "; split the batch");
   RHEO_CHECK(a.dtype != DType::kFloat64, "tree_attention takes float32, float16 or bfloat16, ",
              "got float64; convert q, k, v with .float()");
+  RHEO_CHECK(a.kv_slots == nullptr || a.B == 0 || a.S >= 1, "kv_slots needs S >= 1, the slots ",
+             "of k and v (their first dim), got S=", a.S, "; set args.S");
 }
 
 Plan make_plan(const TreeAttentionArgs& a) {
@@ -146,13 +153,24 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
   const int64_t row_tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
   const int64_t kvh = blockIdx.y, b = blockIdx.z;
   const int64_t m0 = row_tile * kRows;
-  const int64_t L = a.prefix_len + a.N;
+  // This sequence's prefix and slot. They are device memory, unchecked (the header): a value out
+  // of range is clamped, so that no read leaves the cache rows the host checked.
+  int64_t prefix = a.prefix_len, slot = b;
+  if (a.prefix_lens) {
+    const int64_t p_b = a.prefix_lens[b];
+    prefix = p_b < 0 ? 0 : p_b < prefix ? p_b : prefix;
+  }
+  if (a.kv_slots) {
+    const int64_t s_b = a.kv_slots[b];
+    slot = s_b < 0 ? 0 : s_b < a.S ? s_b : a.S - 1;
+  }
+  const int64_t L = prefix + a.N;  // keys this sequence's rows may see
   const int64_t j_begin = split * p.tiles_per_split * kKeys;
   const int64_t j_end = j_begin + p.tiles_per_split * kKeys < L
                             ? j_begin + p.tiles_per_split * kKeys
                             : L;
-  const T* const k_head = static_cast<const T*>(a.k) + b * a.kv_stride_b + kvh * a.kv_stride_h;
-  const T* const v_head = static_cast<const T*>(a.v) + b * a.kv_stride_b + kvh * a.kv_stride_h;
+  const T* const k_head = static_cast<const T*>(a.k) + slot * a.kv_stride_b + kvh * a.kv_stride_h;
+  const T* const v_head = static_cast<const T*>(a.v) + slot * a.kv_stride_b + kvh * a.kv_stride_h;
 
   // The Q tile, float32; rows past M are zeros (they are masked everywhere and never written).
   for (int r = warp; r < kRows; r += kWarps) {
@@ -214,15 +232,15 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
         for (int j = 0; j < kKeysPerThread; ++j) s[i][j] += qv[i] * kv[j];
     }
     // Scale, and -inf where the pair is masked: every prefix row is visible; tree row
-    // prefix_len + c only where tree_mask[b, n, c] = 1; keys past j_end and rows past M never.
-    const bool all_prefix = j0 + kKeys <= a.prefix_len;  // block-uniform
+    // P_b + c only where tree_mask[b, n, c] = 1; keys past j_end and rows past M never.
+    const bool all_prefix = j0 + kKeys <= prefix;  // block-uniform
     for (int j = 0; j < kKeysPerThread; ++j) {
       const int64_t key = j0 + tx + 16 * j;
       for (int i = 0; i < kRowsPerThread; ++i) {
         bool visible = row_ok[i];
         if (!all_prefix)
           visible = visible && key < j_end &&
-                    (key < a.prefix_len || mask_row[i][key - a.prefix_len] != 0);
+                    (key < prefix || mask_row[i][key - prefix] != 0);
         s[i][j] = visible ? s[i][j] * a.scale : -INFINITY;
       }
     }
@@ -289,7 +307,8 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
         if (d < D) out[d] = from_float<T>(acc[i][c] * inv);
       }
     } else {
-      // This split's partial: acc [splits, rows, D], then (max, sum) [splits, rows, 2].
+      // This split's partial: acc [splits, rows, D], then (max, sum) [splits, rows, 2]. Written by
+      // every block, also one whose key range lies past P_b + N (max -inf: the merge skips it).
       float* ws_acc = a.workspace + (split * rows_total + row) * a.D;
       for (int c = 0; c < 4 * kVec; ++c) {
         const int d = kColsPerVec * (c / 4) + 4 * tx + c % 4;
@@ -306,7 +325,8 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
 
 // grid = ceil(rows * D / kMergeThreads): one thread per output element. out = sum_s acc_s f_s /
 // sum_s sum_s f_s with f_s = exp(max_s - top), splits added in order s = 0, 1, ...; a split that
-// saw nothing (max_s = -inf) adds nothing; a row that saw nothing in any split gets zeros.
+// saw nothing (max_s = -inf: all its keys masked, or its range past the sequence's P_b + N) adds
+// nothing, exactly; a row that saw nothing in any split (top = -inf) gets zeros.
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(TreeAttentionArgs a, Plan p) {
   const int64_t rows_total = a.B * a.N * a.H;

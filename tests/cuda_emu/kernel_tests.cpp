@@ -620,24 +620,60 @@ struct AttnOut {
   bool operator==(const AttnOut& o) const { return out == o.out; }
 };
 
+// A ragged batch from a KV pool (empty vectors: the plain batch, prefix `prefix` for every b,
+// slot b): prefix_lens [B] per sequence (`prefix` is then their host-side bound), slots [B] into
+// S slots of k/v. In these cases every k/v row no sequence may see (past P_b + N of its slot, and
+// the unused slots) is NaN, so a read of one shows up in out.
+struct Ragged {
+  std::vector<int32_t> prefix_lens;
+  std::vector<int32_t> slots;
+  int64_t S = 0;
+};
+
 // blind_every > 0: nodes n % blind_every == 0 get an all-zero mask row (with prefix 0 they see
 // nothing and must get zeros; the other nodes may still see them as ancestors).
 void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t prefix,
-                         DType dtype, bool random_mask, uint64_t seed, int64_t blind_every = 0) {
+                         DType dtype, bool random_mask, uint64_t seed, int64_t blind_every = 0,
+                         const Ragged& ragged = {}) {
   ++cases;
+  auto list = [](const std::vector<int32_t>& x) {
+    std::string s;
+    for (const int32_t e : x) s += (s.empty() ? "" : ",") + std::to_string(e);
+    return s;
+  };
   current_case = "tree_attention B=" + std::to_string(B) + " N=" + std::to_string(N) + " H=" +
                  std::to_string(H) + "/" + std::to_string(Hkv) + " D=" + std::to_string(D) +
                  " prefix=" + std::to_string(prefix) + " " + dtype_name(dtype) +
                  (random_mask ? " random mask" : "") +
-                 (blind_every ? " blind every " + std::to_string(blind_every) : "");
+                 (blind_every ? " blind every " + std::to_string(blind_every) : "") +
+                 (ragged.prefix_lens.empty() ? "" : " prefix_lens=" + list(ragged.prefix_lens)) +
+                 (ragged.slots.empty() ? "" : " slots=" + list(ragged.slots) + " of " +
+                                                  std::to_string(ragged.S));
+  auto prefix_of = [&](int64_t b) -> int64_t {
+    return ragged.prefix_lens.empty() ? prefix : ragged.prefix_lens[b];
+  };
   Rng rng(seed);
+  const int64_t S = ragged.slots.empty() ? B : ragged.S;
   const int64_t Lc = prefix + N + 3;  // spare cache rows past the tree: never read
   const int64_t q_pad = 5;            // q rows strided with padding between heads' blocks
   const int64_t q_stride_h = D, q_stride_n = H * D + q_pad, q_stride_b = N * q_stride_n;
   const auto q = encode(make_logits(rng, B * q_stride_b, Logits::kNormal), dtype);
   const int64_t kv_stride_h = D, kv_stride_l = Hkv * D, kv_stride_b = Lc * kv_stride_l;
-  const auto k = encode(make_logits(rng, B * kv_stride_b, Logits::kNormal), dtype);
-  const auto v = encode(make_logits(rng, B * kv_stride_b, Logits::kNormal), dtype);
+  std::vector<float> k_values = make_logits(rng, S * kv_stride_b, Logits::kNormal);
+  std::vector<float> v_values = make_logits(rng, S * kv_stride_b, Logits::kNormal);
+  if (!ragged.prefix_lens.empty() || !ragged.slots.empty()) {
+    std::vector<int64_t> seen_rows(S, 0);  // rows of each slot some sequence may see
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = ragged.slots.empty() ? b : ragged.slots[b];
+      seen_rows[slot] = std::max(seen_rows[slot], prefix_of(b) + N);
+    }
+    for (int64_t slot = 0; slot < S; ++slot)
+      for (int64_t i = slot * kv_stride_b + seen_rows[slot] * kv_stride_l;
+           i < (slot + 1) * kv_stride_b; ++i)
+        k_values[i] = v_values[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+  const auto k = encode(k_values, dtype);
+  const auto v = encode(v_values, dtype);
   std::vector<uint8_t> mask(B * N * N, 0);
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int64_t> parent(N, -1);
@@ -659,6 +695,9 @@ void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D
   base.dtype = dtype;
   base.B = B, base.N = N, base.H = H, base.Hkv = Hkv, base.D = D;
   base.prefix_len = prefix;
+  if (!ragged.prefix_lens.empty()) base.prefix_lens = ragged.prefix_lens.data();
+  if (!ragged.slots.empty()) base.kv_slots = ragged.slots.data();
+  base.S = S;
   base.q_stride_b = q_stride_b, base.q_stride_n = q_stride_n, base.q_stride_h = q_stride_h;
   base.kv_stride_b = kv_stride_b, base.kv_stride_l = kv_stride_l, base.kv_stride_h = kv_stride_h;
   base.scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -680,10 +719,16 @@ void tree_attention_case(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D
   // float32 sums in another order; a 16-bit output may round to the neighbouring value.
   const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 1.6e-2 : 2e-3;
   expect_close(cuda.out, cpu.out, dtype, tol, "out");  // values ~ N(0, 3): tol relative to that scale
-  if (blind_every > 0 && prefix == 0) {  // the blind nodes' rows are exactly zero
-    const size_t es = elem_size(dtype);
+  const size_t es = elem_size(dtype);
+  for (size_t i = 0; i * es < cuda.out.size(); ++i)
+    if (!std::isfinite(decode(cuda.out.data() + i * es, dtype))) {
+      fail("out[" + std::to_string(i) + "] is not finite (a row no node may see was read, or " +
+           "a partial the merge reads was never written)");
+      break;
+    }
+  if (blind_every > 0) {  // the blind nodes of the sequences with prefix 0 get exactly zero
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t n = 0; n < N; n += blind_every)
+      for (int64_t n = 0; prefix_of(b) == 0 && n < N; n += blind_every)
         for (int64_t i = (b * N + n) * H * D; i < (b * N + n + 1) * H * D; ++i)
           if (decode(cuda.out.data() + i * es, dtype) != 0.0) {
             fail("blind node " + std::to_string(n) + " of entry " + std::to_string(b) +
@@ -709,6 +754,19 @@ void tree_attention_limits() {
   if (!cpu_raises([&] { rheo::tree_attention_workspace_floats(a); })) fail("D = 257 does not raise");
   a.D = 128, a.Hkv = 5;
   if (!cpu_raises([&] { rheo::tree_attention_cuda(a, nullptr); })) fail("H % Hkv != 0 does not raise");
+  // The plan sees only the host bound prefix_len, never the device arrays.
+  a.Hkv = 8, a.prefix_len = 8192;
+  const int32_t lens[1] = {3}, slots[1] = {0};
+  const size_t ws = rheo::tree_attention_workspace_floats(a);
+  a.prefix_lens = lens;
+  if (rheo::tree_attention_workspace_floats(a) != ws) fail("the workspace depends on prefix_lens");
+  a.kv_slots = slots, a.S = 0;
+  if (!cpu_raises([&] { rheo::tree_attention_workspace_floats(a); })) fail("kv_slots, S = 0 does not raise");
+  // The CPU kernel checks the values (host memory).
+  a.S = 1, a.prefix_len = 2;
+  if (!cpu_raises([&] { rheo::tree_attention_cpu(a); })) fail("prefix_lens > prefix_len does not raise");
+  a.prefix_len = 3, a.S = 0;
+  if (!cpu_raises([&] { rheo::tree_attention_cpu(a); })) fail("kv_slots, S = 0 does not raise on the CPU");
 }
 
 void tree_attention_tests() {
@@ -729,6 +787,16 @@ void tree_attention_tests() {
     tree_attention_case(1, 6, 6, 3, 150, 40, d, false, ++seed);   // kVec = 3, D % 64 != 0
     tree_attention_case(1, 300, 2, 1, 64, 0, d, false, ++seed, 7);  // blind rows, 2 splits
     tree_attention_case(2, 40, 4, 1, 7, 0, d, true, ++seed, 3);     // blind rows, tiny D
+    // Ragged batches from a KV pool. The split plan comes from the bound prefix_len, so the
+    // short sequences have whole splits past their P_b + N: empty partials, weight 0 in the merge.
+    tree_attention_case(4, 7, 8, 2, 32, 70, d, false, ++seed, 3, {{0, 3, 17, 70}, {4, 0, 5, 2}, 6});
+    tree_attention_case(3, 9, 8, 2, 64, quick ? 600 : 2000, d, false, ++seed, 4,
+                        {{quick ? 600 : 2000, 5, 0}, {1, 2, 0}, 3});  // 8 splits; 7 empty for b = 1, 2
+    tree_attention_case(2, 60, 32, 8, 128, quick ? 300 : 1000, d, false, ++seed, 0,
+                        {{quick ? 40 : 300, quick ? 300 : 1000}, {}, 0});  // paper heads, no slots
+    tree_attention_case(3, 5, 4, 4, 64, 600, d, true, ++seed, 2, {{0, 0, 0}, {}, 0});  // all P_b = 0
+    tree_attention_case(3, 6, 4, 2, 80, 40, d, false, ++seed, 0, {{}, {2, 2, 0}, 5});  // shared slot
+    tree_attention_case(2, 4, 6, 3, 48, 900, d, false, ++seed, 0, {{100, 250}, {1, 0}, 2});  // loose bound
   }
 }
 

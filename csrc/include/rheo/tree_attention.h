@@ -1,15 +1,30 @@
-// Tree attention over a cached prefix plus N tree nodes (DESIGN.md §1 step 2).
+// Tree attention over a cached prefix plus N tree nodes (DESIGN.md §1 step 2), for a batch of B
+// sequences, each with its own prefix length and its own slot of a KV pool.
 //
 // q   [B, N, H, D]          queries of the tree nodes (strided: q_stride_b/n/h, last dim dense)
-// k,v [B, Lc, Hkv, D]       the KV cache; rows 0..prefix_len-1 hold the prefix, rows
-//                           prefix_len..prefix_len+N-1 the tree nodes (strided, last dim dense)
-// tree_mask [B, N, N] uint8 1 = node i may attend to node j (itself and its ancestors)
+// k,v [S, Lc, Hkv, D]       the KV cache (strided, last dim dense); S = B and slot b = sequence b
+//                           unless kv_slots is given. In the slot of sequence b, rows
+//                           0..P_b-1 hold its prefix and rows P_b..P_b+N-1 its tree nodes, with
+//                           P_b = prefix_lens[b], or prefix_len for every b when prefix_lens is null
+// tree_mask [B, N, N] uint8 1 = node i may attend to node j (itself and its ancestors); column c
+//                           is cache row P_b + c
 // out [B, N, H, D]          contiguous, same dtype as q
-// Node i attends to every prefix row and to the tree rows j with tree_mask[b, i, j] = 1.
-// Query head h reads KV head h / (H / Hkv) (GQA; H % Hkv == 0). Softmax in float32 with
-// scale `scale` (usually 1/sqrt(D)); accumulation in float32 for every dtype.
-// A node that sees no row (prefix_len = 0 and an all-zero mask row) gets a zero output.
-// Rules: prefix_len + N <= Lc, H % Hkv == 0, D >= 1, dtypes of q, k, v equal.
+// Node i of sequence b attends to rows 0..P_b-1 and to the tree rows P_b + j with
+// tree_mask[b, i, j] = 1; no other row of the slot is read. Query head h reads KV head
+// h / (H / Hkv) (GQA; H % Hkv == 0). Softmax in float32 with scale `scale` (usually 1/sqrt(D));
+// accumulation in float32 for every dtype.
+// A node that sees no row (P_b = 0 and an all-zero mask row) gets a zero output.
+// Rules: prefix_len + N <= Lc, H % Hkv == 0, D >= 1, dtypes of q, k, v equal;
+//   prefix_lens (null or [B]): 0 <= prefix_lens[b] <= prefix_len. prefix_len is then the host-side
+//     bound (usually the max): the CUDA split plan and workspace are sized from it alone, so the
+//     arrays can stay on the device and change between calls without a sync;
+//   kv_slots (null or [B]): 0 <= kv_slots[b] < S (the slots need not be distinct or in order).
+// Both arrays are host memory for tree_attention_cpu, which checks every value (RHEO_CHECK), and
+// device memory for tree_attention_cuda, which cannot check them without a sync: there a value
+// out of range is clamped into range (no read outside the cache) and the result is meaningless.
+// Batch invariance: on the CPU a sequence's output does not depend on the other sequences, B or
+// prefix_len (bit for bit the same as running it alone with prefix_len = P_b); on CUDA the split
+// plan depends on B and prefix_len, so only the float32 tolerance holds across batches.
 #pragma once
 
 #include <cstddef>
@@ -31,9 +46,13 @@ struct TreeAttentionArgs {
   void* out = nullptr;                 // [B, N, H, D]
   DType dtype = DType::kFloat32;       // kFloat32, kFloat16 or kBFloat16
   int64_t B = 0, N = 0, H = 0, Hkv = 0, D = 0;
-  int64_t prefix_len = 0;
+  int64_t prefix_len = 0;                 // P_b for all b, or the bound of prefix_lens
+  const int32_t* prefix_lens = nullptr;   // [B] P_b of each sequence; null: prefix_len for all
+  const int32_t* kv_slots = nullptr;      // [B] slot of k/v holding sequence b; null: slot b
+  int64_t S = 0;                          // slots of k/v (their first dim); used with kv_slots
   int64_t q_stride_b = 0, q_stride_n = 0, q_stride_h = 0;    // elements
-  int64_t kv_stride_b = 0, kv_stride_l = 0, kv_stride_h = 0;  // elements, shared by k and v
+  int64_t kv_stride_b = 0, kv_stride_l = 0, kv_stride_h = 0;  // elements, shared by k and v;
+                                                              // kv_stride_b steps one slot
   float scale = 1.0f;
   // tree_attention_cuda only: float32 scratch for the split-KV partials, of
   // tree_attention_workspace_floats(args) floats on the device (null when that is 0). The binding
@@ -44,7 +63,8 @@ struct TreeAttentionArgs {
 void tree_attention_cpu(const TreeAttentionArgs& args);
 #ifdef RHEO_WITH_CUDA
 // Floats of args.workspace that tree_attention_cuda needs for these sizes (0: none, the keys are
-// not split). Depends on B, N, H, Hkv, D and prefix_len only; checks them like the kernel.
+// not split). Depends on B, N, H, Hkv, D and prefix_len only (not on prefix_lens or kv_slots, which
+// live on the device); checks them like the kernel.
 size_t tree_attention_workspace_floats(const TreeAttentionArgs& args);
 cudaError_t tree_attention_cuda(const TreeAttentionArgs& args, cudaStream_t stream);
 #endif
