@@ -7,7 +7,8 @@ are float32 sums of log proxies; the tie rule lives in the kernels (common.h ran
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,6 +110,26 @@ def _level_from_pool(
     )
 
 
+@dataclass(frozen=True)
+class SequenceCoins:
+    """What one batch entry's pools draw with: its own temperature, pool kind, request seed and
+    step. A batch of requests passes one per entry, so each draws the coins it would draw alone
+    (the pool sampler's coins are keyed by (seed, step, level, row), row counted within the
+    entry), whatever else shares the batch."""
+
+    temperature: float
+    kind: kernels.PoolKind
+    seed: int
+    step: int
+
+
+def _concat_pools(pools: list[kernels.Pool]) -> kernels.Pool:
+    if len(pools) == 1:
+        return pools[0]
+    fields = dataclasses.fields(kernels.Pool)
+    return kernels.Pool(**{f.name: torch.cat([getattr(p, f.name) for p in pools]) for f in fields})
+
+
 def draft_tree(
     drafter: Drafter,
     root_tokens: torch.Tensor,
@@ -120,6 +141,7 @@ def draft_tree(
     draft_to_target: torch.Tensor | None = None,
     forced: ForcedSamples | None = None,
     status: torch.Tensor | None = None,
+    coins: Sequence[SequenceCoins] | None = None,
 ) -> DraftTree:
     """Grow ``cfg.depth`` levels below each root [B], then keep the best total_tokens - 1.
 
@@ -127,6 +149,9 @@ def draft_tree(
     ``status`` [1] int32 (kernels.status_word) collects the CUDA kernels' bad-input bits; the
     step reads it once, at its end (verify.read_outcome). Nothing here reads the device: every
     shape follows from cfg and B, so the levels can be captured in a CUDA graph.
+    ``coins`` (a batch of requests): per batch entry its temperature, pool kind, seed and step,
+    used instead of ``temperature``, ``seed`` and ``step``; each entry's rows of a level get
+    their own pool sampler call (the rows of entry b are b * rows_per_entry + j).
     """
     if cfg.method == "ar":
         return root_only_tree(root_tokens, prefix_len)
@@ -134,10 +159,21 @@ def draft_tree(
 
     def pools(level: int, logits: torch.Tensor) -> kernels.Pool:
         forced_sample = None if forced is None else forced(level, logits)
-        return kernels.pool_sampler(
-            logits, K, cfg.leads, cfg.support, temperature, kind, seed, step, level, forced_sample,
-            status=status,
-        )  # fmt: skip
+        if coins is None:
+            return kernels.pool_sampler(
+                logits, K, cfg.leads, cfg.support, temperature, kind, seed, step, level,
+                forced_sample, status=status,
+            )  # fmt: skip
+        per = logits.shape[0] // len(coins)
+        out = []
+        for b, c in enumerate(coins):
+            rows = slice(b * per, (b + 1) * per)
+            pinned = None if forced_sample is None else forced_sample[rows]
+            out.append(kernels.pool_sampler(
+                logits[rows], K, cfg.leads, cfg.support, c.temperature, c.kind, c.seed, c.step,
+                level, pinned, status=status,
+            ))  # fmt: skip
+        return _concat_pools(out)
 
     logits = drafter.root_logits()  # [B, Vd]
     B = logits.shape[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from rheo_engine import kernels
+from rheo_engine.batch import BatchDecoder
 from rheo_engine.io.generation_config import GenerationDefaults
 from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.models.eagle3 import Eagle3Head
@@ -54,6 +55,17 @@ def _check_device(device: str | torch.device) -> torch.device:
     else:
         return dev
     raise ValueError(f"device={device!r} is not available: {why}; available: {available}")
+
+
+def is_batch(prompt: object) -> bool:
+    """A list of prompts rather than one: a non-empty list/tuple whose items are all str, or all
+    lists/tuples/tensors (token ids, or chats as message lists). A list of ints is one prompt
+    of token ids and a list of dicts one chat."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    return all(isinstance(p, (list, tuple, torch.Tensor)) for p in prompt)
 
 
 class Engine:
@@ -112,13 +124,39 @@ class Engine:
 
     # --- the public calls -----------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Generation:
-        """Generate after ``prompt`` (text or token ids); options as in ``stream``."""
+    def generate(self, prompt, max_new_tokens: int = 128, **options):
+        """Generate after ``prompt`` (text or token ids); options as in ``stream``.
+
+        A list of prompts (a list of str, of token-id lists, or of message lists) is an explicit
+        batch: decoded together (rheo_engine.batch, one target forward per step for all) and
+        returned as a list of Generations in order. Options apply to every prompt, except
+        ``seed``, which may be a list (one per prompt); ``max_batch`` (default 8) bounds how many
+        run at once. Each gives the tokens it would give alone with the same seed (one tree
+        shape per step for the batch: with tree="fixed" exactly the same trees)."""
+        if is_batch(prompt):
+            return self._generate_batch(list(prompt), max_new_tokens, **options)
         request = self.request(prompt, max_new_tokens, **options)
         for _ in request:
             pass
         assert request.result is not None
         return request.result
+
+    def _generate_batch(
+        self, prompts: list, max_new_tokens: int, max_batch: int = 8, seed=None, **options
+    ) -> list[Generation]:
+        if not prompts:
+            raise ValueError("the batch of prompts is empty; pass at least one prompt")
+        seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(
+                f"seed is a list of {len(seeds)} seeds for {len(prompts)} prompts; pass one seed "
+                "per prompt, or a single seed"
+            )
+        requests = [
+            self.request(p, max_new_tokens, seed=s, **options)
+            for p, s in zip(prompts, seeds, strict=True)
+        ]
+        return BatchDecoder(self, max_batch=min(max_batch, len(requests))).run(requests)
 
     def stream(
         self, prompt: str | list[int], max_new_tokens: int = 128, **options

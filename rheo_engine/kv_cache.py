@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from rheo_engine import kernels
+
 
 class KVCache:
     def __init__(
@@ -57,6 +59,21 @@ class KVCache:
         self.k[layer, :, self.length : self.length + n] = k_new
         self.v[layer, :, self.length : self.length + n] = v_new
 
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        tree_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write the n new rows' K/V (uncommitted), then tree attention of q [B, n, H, D] over
+        the committed rows and the new rows ``tree_mask`` [B, n, n] allows -> [B, n, H, D]."""
+        n = k_new.shape[1]
+        self.write(layer, k_new, v_new)
+        k_rows, v_rows = self.rows(layer, n)  # [B, length+n, Hkv, D]
+        return kernels.tree_attention(q, k_rows, v_rows, tree_mask, self.length)
+
     def rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views k, v [B, length+n, Hkv, D]: the committed rows plus ``n`` uncommitted ones."""
         end = self.length + n
@@ -98,3 +115,167 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length={length} must be in [0, {self.length}] (committed)")
         self.length = length
+
+
+class SlotPool:
+    """The KV memory of a batch of sequences: ``slots`` fixed slots of ``max_len`` rows each (per
+    layer [slots, max_len + 1, Hkv, D]); a running sequence owns one slot, its committed rows at
+    0..lengths[slot]-1, a step's uncommitted tree rows right after them.
+
+    Why slots with per-sequence compaction rather than pages: a step's ragged commit (one
+    sequence keeps 1 row, another 7) moves each sequence's kept rows down inside its own slot,
+    one gather + one scatter over the whole batch (``SlotBatch.commit``), and the attention
+    kernel reads a sequence's rows contiguously (``kv_slots`` / ``prefix_lens``,
+    tree_attention.h); a block table would only pay once sequences of very different lengths
+    share little memory, and each request here is admitted with its worst case (prompt +
+    max_new_tokens + one tree) known, so a slot of the context's length bounds the memory up
+    front: ``slots * max_len`` rows, refused at admission when no slot is free (the scheduler
+    queues). Row ``max_len`` of every slot is scratch: padded writes of a ragged batch land
+    there and are never read.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(n_layers, slots, max_len, n_kv_heads, head_dim) < 1:
+            raise ValueError(
+                f"SlotPool sizes must be >= 1, got n_layers={n_layers}, slots={slots}, "
+                f"max_len={max_len}, n_kv_heads={n_kv_heads}, head_dim={head_dim}"
+            )
+        shape = (n_layers, slots, max_len + 1, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * slots  # committed rows per slot (host)
+        self._free = list(range(slots - 1, -1, -1))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A free slot, emptied; ValueError when every slot is taken."""
+        if not self._free:
+            raise ValueError(
+                f"all {self.slots} KV slots are in use; wait for a sequence to finish or make "
+                "the pool with more slots (max_batch)"
+            )
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give a slot back (its rows are forgotten, not zeroed)."""
+        if slot in self._free or not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not in use")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def batch(self, slots: list[int]) -> SlotBatch:
+        """The cache view of one forward over these slots (in this order)."""
+        return SlotBatch(self, slots)
+
+
+class SlotBatch:
+    """What a model forward sees of a SlotPool for one batch of slots: the KVCache calls the
+    models use (``check_room``, ``attend``, ``advance``, ``commit_paths``), each sequence at its
+    own length. The per-sequence lengths and slots go to the device once per view (one small
+    upload per step), and every layer's attention reuses them."""
+
+    def __init__(self, pool: SlotPool, slots: list[int]) -> None:
+        if not slots or len(set(slots)) != len(slots):
+            raise ValueError(f"a batch needs distinct slots, got {slots}")
+        self.pool, self.slots = pool, list(slots)
+        self.lengths = [pool.lengths[s] for s in slots]
+        dev = pool.k.device
+        self._slots_dev = torch.tensor(self.slots, dtype=torch.int32, device=dev)
+        self._upload_lengths()
+
+    def _upload_lengths(self) -> None:
+        self._lens_dev = torch.tensor(self.lengths, dtype=torch.int32, device=self.pool.k.device)
+        self._rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def batch(self) -> int:
+        return len(self.slots)
+
+    @property
+    def max_len(self) -> int:
+        return self.pool.max_len
+
+    def check_room(self, n: int) -> None:
+        worst = max(self.lengths)
+        if worst + n > self.pool.max_len:
+            raise ValueError(
+                f"a sequence needs {worst + n} rows but a KV slot holds max_len="
+                f"{self.pool.max_len}; raise max_len / shorten the prompt or generation"
+            )
+
+    def _row_index(self, n: int) -> torch.Tensor:
+        """[B, n] rows lengths[b] + j where the n new rows of sequence b go."""
+        if n not in self._rows:
+            j = torch.arange(n, device=self._lens_dev.device, dtype=torch.long)
+            self._rows[n] = self._lens_dev.long().view(-1, 1) + j
+        return self._rows[n]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        tree_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write the n new rows' K/V (uncommitted) and attend: q [B, n, H, D] over each
+        sequence's committed rows and the new rows ``tree_mask`` [B, n, n] allows."""
+        n = k_new.shape[1]
+        self.check_room(n)
+        slots = self._slots_dev.long().view(-1, 1)
+        rows = self._row_index(n)
+        self.pool.k[layer, slots, rows] = k_new
+        self.pool.v[layer, slots, rows] = v_new
+        return kernels.tree_attention(
+            q, self.pool.k[layer], self.pool.v[layer], tree_mask, max(self.lengths),
+            prefix_lens=self._lens_dev, kv_slots=self._slots_dev,
+        )  # fmt: skip
+
+    def advance(self, n: int) -> None:
+        """Commit the next ``n`` rows of every sequence as they are (a prefill)."""
+        self.check_room(n)
+        for i, s in enumerate(self.slots):
+            self.lengths[i] += n
+            self.pool.lengths[s] = self.lengths[i]
+        self._upload_lengths()
+
+    def commit_paths(self, paths: torch.Tensor, keep: list[int]) -> None:
+        """Ragged commit: sequence b keeps its uncommitted rows lengths[b] + paths[b, i] for
+        i < keep[b] (ascending), moved down to lengths[b] + i. ``paths`` [B, P] on the device
+        (-1 padded), ``keep`` the host lengths. One gather and one scatter for the batch: the
+        padding entries copy a row onto itself."""
+        B, P = paths.shape
+        if len(keep) != B:
+            raise ValueError(f"keep has {len(keep)} lengths for a batch of {B}")
+        width = max(keep)
+        self.check_room(width)
+        i = torch.arange(width, device=paths.device).view(1, width)
+        kept = torch.tensor(keep, device=paths.device).view(B, 1)
+        src = torch.where(i < kept, paths[:, :width].long(), i)  # padding: row i onto itself
+        base = self._lens_dev.long().view(B, 1)
+        slots = self._slots_dev.long().view(B, 1)
+        for cache in (self.pool.k, self.pool.v):
+            cache[:, slots, base + i] = cache[:, slots, base + src]
+        for b, s in enumerate(self.slots):
+            self.lengths[b] += keep[b]
+            self.pool.lengths[s] = self.lengths[b]
+        self._upload_lengths()

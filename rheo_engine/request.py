@@ -307,43 +307,68 @@ class Request:
         """Yields each step's new token ids; ``text_piece`` is then the text they release (held
         back while it may still turn into a stop string), ``step_logprobs`` their logprobs (with
         logprobs=True), and ``tail_text`` the rest of the text at the end."""
-        start = time.perf_counter()
-        out: list[int] = []
-        accept_lengths: list[int] = []
-        times = StepTimes()
-        logprobs: list[TokenLogprob] | None = [] if self.logprobs else None
-        stopper = StopStrings(self.engine.tokenizer, self.stop, self.min_new_tokens)
-        texts: list[str] = []
-        self.text_piece = self.tail_text = ""
-        self.step_logprobs: list[TokenLogprob] = []
-        for emitted, step_logprobs in self._steps(times):
-            new, stop, produced = self._cut(emitted, len(out))
-            piece = stopper.feed(new)
-            if piece.stop_string is not None:  # the token that completed it is the last one
-                new, stop, produced = new[: piece.used], "stop", piece.used
-            texts.append(piece.text)
-            self.text_piece = piece.text
-            accept_lengths.append(produced)
-            out.extend(new)
-            if logprobs is not None:
-                self.step_logprobs = step_logprobs[: len(new)]
-                logprobs.extend(self.step_logprobs)
+        self.begin()
+        stop = "context"
+        for emitted, step_logprobs in self._steps(self.times):
+            new, stop = self.take(emitted, step_logprobs)
             if new:
                 yield new
             if stop:
                 break
         else:
             stop = "context"
+        self.end(stop)
+
+    # The output side of a request, step by step: __iter__ drives it over its own decoding,
+    # the batch scheduler (rheo_engine.batch) over a batch's.
+
+    def begin(self) -> None:
+        """Start the clock and the output state (stop strings, logprobs, texts)."""
+        self._start = time.perf_counter()
+        self.out: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.times = StepTimes()
+        self._logprobs: list[TokenLogprob] | None = [] if self.logprobs else None
+        self._stopper = StopStrings(self.engine.tokenizer, self.stop, self.min_new_tokens)
+        self._texts: list[str] = []
+        self.text_piece = self.tail_text = ""
+        self.step_logprobs: list[TokenLogprob] = []
+
+    def take(
+        self, emitted: list[int], step_logprobs: list[TokenLogprob]
+    ) -> tuple[list[int], str | None]:
+        """One step's emitted tokens (and their logprobs): the new tokens kept, and why the
+        request stops (None: it goes on). Sets text_piece and step_logprobs."""
+        new, stop, produced = self._cut(emitted, len(self.out))
+        piece = self._stopper.feed(new)
+        if piece.stop_string is not None:  # the token that completed it is the last one
+            new, stop, produced = new[: piece.used], "stop", piece.used
+        self._texts.append(piece.text)
+        self.text_piece = piece.text
+        self.accept_lengths.append(produced)
+        self.out.extend(new)
+        if self._logprobs is not None:
+            self.step_logprobs = step_logprobs[: len(new)]
+            self._logprobs.extend(self.step_logprobs)
+        if self.history is not None:
+            self.history.extend(emitted)
+        return new, stop
+
+    def end(self, stop: str) -> Generation:
+        """Finish: the held-back text (``tail_text``) and ``result``."""
+        stopper = self._stopper
         if not stopper.stopped:
             self.tail_text = stopper.finish().text
-            texts.append(self.tail_text)
+            self._texts.append(self.tail_text)
         self.result = Generation(
-            text="".join(texts), token_ids=out, accept_lengths=accept_lengths,
-            method=self.tree_cfg.method, wall_s=time.perf_counter() - start, stop_reason=stop,
-            seed=self.seed, times=times, prefill_s=self.prefill_s, tree=self.tree,
-            trees=self.trees, stop_string=stopper.stop_string, logprobs=logprobs,
-            sampling=self.sampling, sampling_sources=self.sampling_sources,
+            text="".join(self._texts), token_ids=self.out, accept_lengths=self.accept_lengths,
+            method=self.tree_cfg.method, wall_s=time.perf_counter() - self._start,
+            stop_reason=stop, seed=self.seed, times=self.times, prefill_s=self.prefill_s,
+            tree=self.tree, trees=self.trees, stop_string=stopper.stop_string,
+            logprobs=self._logprobs, sampling=self.sampling,
+            sampling_sources=self.sampling_sources,
         )  # fmt: skip
+        return self.result
 
     def _cut(self, emitted: list[int], have: int) -> tuple[list[int], str | None, int]:
         """The part of a step's tokens to keep, why generation stops (None: go on), and how many
@@ -412,8 +437,6 @@ class Request:
                 step_logprobs = emitted_logprobs(
                     result.logits, result.outcome, self.sampling, self.top_logprobs
                 )
-            if self.history is not None:
-                self.history.extend(emitted)
             seconds = time.perf_counter() - start
             if policy is not None:
                 policy.observe(step_cfg, result.outcome, seconds)

@@ -1,9 +1,8 @@
 """A thread-safe front over one Engine: ``Scheduler.submit`` from any thread or event loop.
 
-One worker thread owns the engine and runs the requests one after another from a bounded
-queue; each request's steps reach its caller through its ``Handle`` (iterate it, or
-``async for`` over it). The front (submit, Handle, Step, QueueFull) is what a batched scheduler
-will keep: only ``Scheduler._run`` knows that requests run one at a time.
+One worker thread owns the engine and decodes the running requests as one batch
+(rheo_engine.batch), admitting waiting ones from a bounded queue between steps; each request's
+steps reach its caller through its ``Handle`` (iterate it, or ``async for`` over it).
 
     scheduler = Scheduler(engine, max_queue=16)
     handle = scheduler.submit("Once upon a time", 64, temperature=0)   # checked here
@@ -22,6 +21,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from rheo_engine.batch import BatchDecoder, Sequence
 from rheo_engine.request import Generation, Request
 from rheo_engine.verify import TokenLogprob
 
@@ -165,26 +167,40 @@ class Handle:
 
 
 class Scheduler:
-    """Runs an Engine's requests on one worker thread, one at a time, from a queue of at most
-    ``max_queue`` waiting requests. ``submit`` may be called from any thread or event loop."""
+    """Serves an Engine's requests from any thread or event loop with continuous batching: one
+    worker thread owns the engine and a BatchDecoder (rheo_engine.batch) of up to ``max_batch``
+    sequences; between two steps it lets finished and cancelled requests go (their KV slot is
+    freed at once) and admits waiting ones (their prefill runs, and they join the next step).
+    At most ``max_queue`` requests wait for a slot; ``submit`` past that raises QueueFull.
+    ``max_len`` bounds each slot's rows (default: the target's context), so the KV memory is
+    ``max_batch * max_len`` rows, taken up front; a request that cannot fit a slot is refused
+    by ``submit`` (ValueError)."""
 
-    def __init__(self, engine: Engine, max_queue: int = 64) -> None:
+    def __init__(
+        self, engine: Engine, max_queue: int = 64, max_batch: int = 8, max_len: int | None = None
+    ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r} must be an int >= 1")
         self.engine, self.max_queue = engine, max_queue
+        self.decoder = BatchDecoder(engine, max_batch, max_len)
+        self.max_batch = max_batch
         self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
-        self._running: Handle | None = None
+        self._running: dict[int, Handle] = {}  # id(Sequence) -> its handle
+        self._closing = False
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # steps per batch size
         self._worker = threading.Thread(target=self._work, name="rheo-scheduler", daemon=True)
         self._worker.start()
 
     def submit(self, prompt, max_new_tokens: int = 128, **options) -> Handle:
         """Queue a request (arguments as Engine.request; checked here, in the caller's thread:
         a bad one raises ValueError at once). Raises QueueFull when max_queue are waiting."""
-        if not self._worker.is_alive():
+        if not self._worker.is_alive() or self._closing:
             raise RuntimeError("the scheduler is closed")
-        handle = Handle(self.engine.request(prompt, max_new_tokens, **options))
+        request = self.engine.request(prompt, max_new_tokens, **options)
+        self.decoder.check(request)
+        handle = Handle(request)
         try:
             self._queue.put_nowait(handle)
         except queue.Full:
@@ -200,13 +216,14 @@ class Scheduler:
         return self._queue.qsize()
 
     @property
-    def running(self) -> Handle | None:
-        """The request the worker is running now, if any."""
+    def running(self) -> list[Handle]:
+        """The requests in the running batch."""
         with self._lock:
-            return self._running
+            return list(self._running.values())
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Cancel the running and waiting requests and stop the worker."""
+        self._closing = True
         while True:
             try:
                 handle = self._queue.get_nowait()
@@ -215,9 +232,8 @@ class Scheduler:
             if handle is not None:
                 handle.cancel()
                 handle._finish(None, Cancelled("the scheduler was closed"))
-        running = self.running
-        if running is not None:
-            running.cancel()
+        for handle in self.running:
+            handle.cancel()
         self._queue.put(None)
         self._worker.join(timeout)
 
@@ -227,39 +243,83 @@ class Scheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _work(self) -> None:
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            with self._lock:
-                self._running = handle
-            try:
-                self._run(handle)
-            finally:
-                with self._lock:
-                    self._running = None
+    # --- the worker ---------------------------------------------------------------------------
 
-    def _run(self, handle: Handle) -> None:
-        """Run one request to its end, its Steps into its Handle; stop early when cancelled.
-        The one place that knows requests run one at a time (a batched scheduler replaces it)."""
-        request = handle.request
-        steps = iter(request)
+    def _work(self) -> None:
+        seqs: dict[int, tuple[Sequence, Handle]] = {}
+        while True:
+            # Admit while there is room; block for work only when nothing runs.
+            while not self.decoder.full:
+                try:
+                    handle = self._queue.get(block=not seqs)
+                except queue.Empty:
+                    break
+                if handle is None:
+                    self._drain(seqs)
+                    return
+                self._admit(handle, seqs)
+            self._drop_cancelled(seqs)
+            if not seqs:
+                continue
+            try:
+                with torch.no_grad():
+                    results = self.decoder.step()
+            except BaseException as err:  # a failed step fails the requests of that step
+                self._fail_group(err, seqs)
+                continue
+            if results:
+                self.batch_sizes[len(results)] += 1
+            for seq, ids, stop in results:
+                handle = seqs[id(seq)][1]
+                request = seq.request
+                if ids or request.text_piece:
+                    logprobs = request.step_logprobs if request.logprobs else []
+                    handle._put(Step(ids, request.text_piece, logprobs))
+                if stop is not None:
+                    if request.tail_text:
+                        handle._put(Step([], request.tail_text))
+                    self._forget(seq, seqs)
+                    self.counts["completed"] += 1
+                    handle._finish(request.result, None)
+
+    def _admit(self, handle: Handle, seqs: dict) -> None:
+        if handle.cancelled:  # while it waited
+            self.counts["cancelled"] += 1
+            handle._finish(None, Cancelled("the request was cancelled before it started"))
+            return
         try:
-            if handle.cancelled:  # while it waited
-                raise Cancelled("the request was cancelled before it started")
-            for ids in steps:
-                logprobs = request.step_logprobs if request.logprobs else []
-                handle._put(Step(ids, request.text_piece, logprobs))
-                if handle.cancelled:
-                    raise Cancelled("the request was cancelled")
-            if request.tail_text:
-                handle._put(Step([], request.tail_text))
-        except BaseException as err:  # the caller gets it from result() / iteration
-            steps.close()  # frees the request's KV cache now, not at garbage collection
-            kind = "cancelled" if isinstance(err, Cancelled) else "failed"
-            self.counts[kind] += 1
+            with torch.no_grad():
+                seq = self.decoder.admit(handle.request)
+        except BaseException as err:
+            self.counts["failed"] += 1
             handle._finish(None, err)
             return
-        self.counts["completed"] += 1
-        handle._finish(request.result, None)
+        seqs[id(seq)] = (seq, handle)
+        with self._lock:
+            self._running[id(seq)] = handle
+
+    def _forget(self, seq: Sequence, seqs: dict) -> None:
+        self.decoder.release(seq)  # frees its KV slot now
+        seqs.pop(id(seq), None)
+        with self._lock:
+            self._running.pop(id(seq), None)
+
+    def _drop_cancelled(self, seqs: dict) -> None:
+        for seq, handle in list(seqs.values()):
+            if handle.cancelled:
+                self._forget(seq, seqs)
+                self.counts["cancelled"] += 1
+                handle._finish(None, Cancelled("the request was cancelled"))
+
+    def _fail_group(self, err: BaseException, seqs: dict) -> None:
+        """A step raised: every request of the batch gets the error (their state is unknown)."""
+        for seq, handle in list(seqs.values()):
+            self._forget(seq, seqs)
+            self.counts["failed"] += 1
+            handle._finish(None, err)
+
+    def _drain(self, seqs: dict) -> None:
+        for seq, handle in list(seqs.values()):
+            self._forget(seq, seqs)
+            self.counts["cancelled"] += 1
+            handle._finish(None, Cancelled("the scheduler was closed"))

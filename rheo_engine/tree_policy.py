@@ -125,16 +125,23 @@ class CostProfile:
         """Target forward seconds at n nodes: piecewise linear in the measured sizes."""
         return _extrapolated(self.target_s, n)
 
-    def plain_step_s(self) -> float:
-        return _extrapolated(self.target_s, 1) + _extrapolated(self.verify_s, 1)
+    def plain_step_s(self, batch: int = 1) -> float:
+        return _extrapolated(self.target_s, batch) + batch * _extrapolated(self.verify_s, 1)
 
-    def step_s(self, depth: int, n: int, topk: int) -> float:
+    def step_s(self, depth: int, n: int, topk: int, batch: int = 1) -> float:
         """Predicted seconds of a step drafting ``depth`` levels of ``topk`` rows and keeping
-        ``n`` nodes; the head's commit of the accepted pairs costs about one level."""
+        ``n`` nodes; the head's commit of the accepted pairs costs about one level.
+
+        A step over ``batch`` sequences (rheo_engine.batch) is priced from the same one-sequence
+        measurements: the target forward at batch * n rows (what it runs: one forward over all
+        trees), and drafting and verification ``batch`` times (each sequence's pool sampler and
+        verification run on their own; the head's level forward over all rows is counted
+        ``batch`` times too, an upper bound where its cost is per-operator overhead)."""
         if n == 1:
-            return self.plain_step_s()
+            return self.plain_step_s(batch)
         drafting = self.draft_base_s + _extrapolated(self.level_s, topk) * depth
-        return drafting + _extrapolated(self.target_s, n) + _extrapolated(self.verify_s, n)
+        target = _extrapolated(self.target_s, batch * n)
+        return batch * (drafting + _extrapolated(self.verify_s, n)) + target
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
@@ -305,16 +312,27 @@ class AutoTree:
             sizes = tuple(sorted({*sizes, bound.total_tokens}))
         self.sizes, self.topks = sizes, topk_choices(bound)
         self.stats = {k: AcceptanceStats(bound.depth, sizes) for k in self.topks}
+        self.batch = 0
+        self.set_batch(1)
         depths = range(1, bound.depth + 1)
-        self.step_s = np.array(
-            [[[profile.step_s(d, n, k) for n in sizes] for d in depths] for k in self.topks]
-        )  # [topks, depth, sizes]
         self.feasible = np.array(
             [[[d <= n - 1 and n <= 1 + k + (d - 1) * k * k for n in sizes] for d in depths]
              for k in self.topks]
         )  # fmt: skip
         self.predicted_s = 0.0  # the chosen tree's predicted step time
         self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, 0
+
+    def set_batch(self, batch: int) -> None:
+        """Price every tree for steps over ``batch`` sequences (CostProfile.step_s): the batch
+        scheduler calls it when its batch grows or shrinks; acceptance evidence is kept."""
+        if batch == self.batch:
+            return
+        self.batch, depths = batch, range(1, self.bound.depth + 1)
+        self.step_s = np.array(
+            [[[self.profile.step_s(d, n, k, batch) for n in self.sizes] for d in depths]
+             for k in self.topks]
+        )  # fmt: skip  # [topks, depth, sizes]
+        self.plain_s = self.profile.plain_step_s(batch)
 
     def _best(self, room: int, wanted: int, optimistic: bool) -> tuple[float, int, int, int]:
         """(rate, topk index, depth index, size index) of the best feasible tree; a probe
@@ -325,13 +343,13 @@ class AutoTree:
         sizes = np.array(self.sizes)[None, None, :]
         ok = self.feasible & (sizes <= room) & (depths <= wanted - 1)
         if optimistic:
-            ok &= self.step_s <= self.PROBE_COST * self.profile.plain_step_s()
+            ok &= self.step_s <= self.PROBE_COST * self.plain_s
         rate = np.where(ok, emitted / self.step_s, -1.0)
         i, d, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return float(rate[i, d, j]), int(i), int(d), int(j)
 
     def choose(self, room: int, wanted: int) -> TreeConfig:
-        plain_s = self.profile.plain_step_s()
+        plain_s = self.plain_s
         self.predicted_s = plain_s
         if wanted < 2 or self.bound.method == "ar":
             return TreeConfig("ar")

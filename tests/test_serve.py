@@ -64,7 +64,7 @@ def served(engine):
 
 
 def _idle(served) -> None:
-    _wait(lambda: served.scheduler.running is None and served.scheduler.waiting == 0)
+    _wait(lambda: not served.scheduler.running and served.scheduler.waiting == 0)
 
 
 def _post(served, path: str, body, key: str | None = KEY, raw: bytes | None = None):
@@ -253,7 +253,7 @@ def test_full_queue_429(served):
     try:
         for _ in range(served.scheduler.max_queue + 2):  # one runs, max_queue wait
             handles.append(served.scheduler.submit(PROMPT, 900, ignore_eos=True))
-            _wait(lambda: served.scheduler.running is not None)
+            _wait(lambda: bool(served.scheduler.running))
     except QueueFull:
         pass
     assert served.scheduler.waiting == served.scheduler.max_queue

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rheo_engine.io.weights import load_safetensors
-from rheo_engine.kv_cache import KVCache
+from rheo_engine.kv_cache import KVCache, SlotPool
 from rheo_engine.models.eagle3_config import (
     ANOTHER_TARGET,
     ARCHITECTURE,
@@ -382,6 +382,12 @@ class Eagle3Head:
         c = self.cfg
         Hkv, D = c.num_key_value_heads, c.head_dim
         return KVCache(1, batch, max_len, Hkv, D, self.dtype, self.device)
+
+    def new_pool(self, max_len: int, slots: int) -> SlotPool:
+        """Pair memory for ``slots`` sequences of up to ``max_len`` pairs (a batch)."""
+        c = self.cfg
+        Hkv, D = c.num_key_value_heads, c.head_dim
+        return SlotPool(1, slots, max_len, Hkv, D, self.dtype, self.device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [B, n, len(feature_layers) * target_hidden] -> h [B, n, H] (fc)."""

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rheo_engine import kernels
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.weights import load_safetensors
-from rheo_engine.kv_cache import KVCache
+from rheo_engine.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -277,6 +276,12 @@ class LlamaModel:
             self.device,
         )
 
+    def new_pool(self, max_len: int, slots: int) -> SlotPool:
+        """KV memory for ``slots`` sequences of up to ``max_len`` rows (a batch of requests)."""
+        c = self.cfg
+        L, Hkv, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        return SlotPool(L, slots, max_len, Hkv, D, self.dtype, self.device)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight.
         if x.dtype == torch.float32:
@@ -296,7 +301,7 @@ class LlamaModel:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | SlotBatch,
         tree_mask: torch.Tensor | None,
         feature_layers: tuple[int, ...],
     ) -> None:
@@ -325,7 +330,7 @@ class LlamaModel:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | SlotBatch,
         tree_mask: torch.Tensor | None = None,
         feature_layers: tuple[int, ...] = (),
         last_logits_only: bool = False,
@@ -334,9 +339,10 @@ class LlamaModel:
         """Run ``tokens`` [B, n] at ``positions`` [B, n] after the cache's committed rows.
 
         Writes their K/V at rows length..length+n without committing (the caller then calls
-        ``cache.advance(n)`` or ``cache.commit(kept)``). ``tree_mask`` [B, n, n] uint8 says which
-        new tokens each one sees (ancestors and itself); None = causal. Returns logits
-        [B, n, V] float32 ([B, 1, V] for the last token with ``last_logits_only``, to spare a
+        ``cache.advance(n)`` or ``cache.commit(kept)``). ``cache`` is one KVCache, or a
+        SlotBatch of a SlotPool (each sequence at its own length: a batch of requests).
+        ``tree_mask`` [B, n, n] uint8 says which new tokens each one sees (ancestors and
+        itself); None = causal. Returns logits [B, n, V] float32 ([B, 1, V] for the last token with ``last_logits_only``, to spare a
         long prefill the full vocabulary projection) and the features [B, n, len(ids) * hidden]:
         HF ``hidden_states[j]`` for each id j in order, the residual entering layer j (0 =
         embeddings), or None when no ids are asked. With ``output_hidden`` the first output is
@@ -358,9 +364,7 @@ class LlamaModel:
             # RoPE on q and k heads at once (HF rotate_half convention).
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, n, H+Hkv, D]
             v = qkv[..., (H + Hkv) * D :].view(B, n, Hkv, D)
-            cache.write(i, qk[:, :, H:], v)
-            k_rows, v_rows = cache.rows(i, n)  # [B, length+n, Hkv, D]
-            attn = kernels.tree_attention(qk[:, :, :H], k_rows, v_rows, tree_mask, cache.length)
+            attn = cache.attend(i, qk[:, :, :H], qk[:, :, H:], v, tree_mask)  # [B, n, H, D]
             x = x + linear(attn.view(B, n, H * D), layer.w_o)
             gate, up = linear(self._rms_norm(x, layer.mlp_norm), layer.w_gate_up).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, layer.w_down)

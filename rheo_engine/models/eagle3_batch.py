@@ -1,0 +1,177 @@
+"""The EAGLE-3 head drafting for a batch of sequences of different lengths (the scheduler's).
+
+The same head and the same pairs as ``eagle3_drafter.Eagle3Drafter`` (one row per committed
+pair (feature of token j, token j + 1) at RoPE position j; tree levels are scratch, level l at
+position m + l - 1; commits are lazy and run when the sequence next drafts), but every sequence
+has its own m: the committed pairs live in slots of a SlotPool (one layer), and a step's head
+forwards run over the batch with per-sequence positions and masks that hide the rows past each
+sequence's own m. Sequences join (``prefill`` into a fresh slot) and leave (``release``)
+between steps; ``begin(slots)`` says which run the next step, in which order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rheo_engine import kernels
+from rheo_engine.models.eagle3 import Eagle3Head
+from rheo_engine.verify import Outcome
+
+
+class Eagle3BatchDrafter:
+    """Drafting state of up to ``slots`` sequences over one Eagle3Head."""
+
+    def __init__(self, head: Eagle3Head, max_len: int, slots: int) -> None:
+        c = head.cfg
+        self.head = head
+        self.pool = head.new_pool(max_len, slots)  # committed pairs only
+        self.max_len = max_len
+        self._last_h = torch.zeros(slots, c.hidden_size, dtype=head.dtype, device=head.device)
+        self._pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
+        self._pending_rows = [0] * slots
+        self.slots: list[int] = []  # the batch of the current step
+
+    def length(self, slot: int) -> int:
+        """m of a slot: its committed pairs, those waiting to run included."""
+        return self.pool.lengths[slot] + self._pending_rows[slot]
+
+    def _queue(self, slot: int, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        n = features.shape[0]
+        if self.length(slot) + n > self.max_len:
+            raise ValueError(
+                f"the draft head needs {self.length(slot) + n} rows but a slot holds "
+                f"max_len={self.max_len}; raise max_len / shorten the prompt"
+            )
+        self._pending[slot].append((features, tokens.long()))
+        self._pending_rows[slot] += n
+
+    def prefill(self, slot: int, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """The prompt's pairs of a sequence in ``slot`` (features [1, L, F], ids [1, L])."""
+        self._queue(slot, features[0], next_tokens[0])
+
+    def release(self, slot: int) -> None:
+        """Forget a finished sequence's pairs, so that the slot starts empty for the next one
+        (the slots are the target pool's: the decoder hands them out)."""
+        self._pending[slot], self._pending_rows[slot] = [], 0
+        self.pool.lengths[slot] = 0
+
+    def begin(self, slots: list[int]) -> None:
+        """The sequences of the next step, in batch order."""
+        self.slots = list(slots)
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Run the waiting pairs of the step's sequences in one head forward, padded to the
+        longest (padded pairs see only real rows, write the slot's scratch row, and are
+        dropped)."""
+        waiting = [s for s in self.slots if self._pending[s]]
+        if not waiting:
+            return
+        dev, head = self.head.device, self.head
+        feats, toks, counts = [], [], []
+        for s in waiting:
+            feats.append(torch.cat([f for f, _ in self._pending[s]], 0))
+            toks.append(torch.cat([t for _, t in self._pending[s]], 0))
+            counts.append(feats[-1].shape[0])
+            self._pending[s], self._pending_rows[s] = [], 0
+        n = max(counts)
+        features = torch.stack([F.pad(f, (0, 0, 0, n - f.shape[0])) for f in feats])
+        tokens = torch.stack([F.pad(t, (0, n - t.shape[0])) for t in toks])
+        B = len(waiting)
+        m = [self.pool.lengths[s] for s in waiting]
+        m_max = max(m)
+        i32 = dict(dtype=torch.long, device=dev)
+        m_dev = torch.tensor(m, **i32).view(B, 1)
+        count_dev = torch.tensor(counts, **i32).view(B, 1)
+        j = torch.arange(n, **i32).view(1, n)
+        positions = m_dev + j  # [B, n]
+        seen = torch.arange(m_max, **i32).view(1, 1, m_max) < m_dev.view(B, 1, 1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
+        mask = torch.cat((seen.expand(B, n, m_max), causal), 2)
+        slots = torch.tensor(waiting, **i32).view(B, 1)
+        past_k = self.pool.k[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
+        past_v = self.pool.v[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
+        h2, k, v = head.layer(head.fuse(features.to(dev)), tokens.to(dev), positions, past_k,
+                              past_v, mask)  # fmt: skip
+        rows = torch.where(j < count_dev, positions, self.max_len)  # padding: the scratch row
+        self.pool.k[0, slots, rows] = k
+        self.pool.v[0, slots, rows] = v
+        last = torch.tensor(counts, **i32) - 1
+        self._last_h[slots.view(B)] = h2[torch.arange(B, device=dev), last]
+        for s, c in zip(waiting, counts, strict=True):
+            self.pool.lengths[s] += c
+
+    @torch.no_grad()
+    def root_logits(self) -> torch.Tensor:
+        """Draft logits [B, Vd] of each root's children; gathers the step's committed rows."""
+        self._flush()
+        dev, B = self.head.device, len(self.slots)
+        if any(self.pool.lengths[s] == 0 for s in self.slots):
+            raise ValueError("root_logits() for a sequence with no pair: prefill it first")
+        m = [self.pool.lengths[s] for s in self.slots]
+        m_max = max(m)
+        i64 = dict(dtype=torch.long, device=dev)
+        slots = torch.tensor(self.slots, **i64).view(B, 1)
+        rows = torch.arange(m_max, **i64).view(1, m_max)
+        self._m = torch.tensor(m, **i64).view(B, 1)
+        self._committed_k = self.pool.k[0, slots, rows]  # [B, m_max, Hkv, D]
+        self._committed_v = self.pool.v[0, slots, rows]
+        self._seen = rows < self._m  # [B, m_max]: the rows each sequence sees
+        self._frontier_h = self._last_h[slots.view(B)].unsqueeze(1)  # [B, 1, H]
+        c = self.head.cfg
+        self._tree_k = self._tree_v = torch.zeros(
+            B, 0, c.num_key_value_heads, c.head_dim, dtype=self.head.dtype, device=dev
+        )
+        self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
+        return self.head.logits(self._frontier_h[:, 0])
+
+    @torch.no_grad()
+    def expand(self, level: int, parent_rank: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, k, Vd] after each level-``level`` node (as Eagle3Drafter.expand),
+        sequence b at position m_b + level - 1."""
+        B, k = tokens.shape
+        H, dev = self.head.cfg.hidden_size, self.head.device
+        rank = parent_rank.to(dev).long()
+        h = self._frontier_h.gather(1, rank.unsqueeze(2).expand(B, k, H))
+        S = self._tree_mask.shape[2]
+        ancestors = self._tree_mask.gather(1, rank.unsqueeze(2).expand(B, k, S))
+        own = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)
+        tree_mask = torch.cat((ancestors, own), 2)
+        m_max = self._seen.shape[1]
+        mask = torch.cat((self._seen.view(B, 1, m_max).expand(B, k, m_max), tree_mask), 2)
+        positions = (self._m + (level - 1)).expand(B, k)
+        h2, k_new, v_new = self.head.layer(
+            h, tokens.to(dev).long(), positions,
+            torch.cat((self._committed_k, self._tree_k), 1),
+            torch.cat((self._committed_v, self._tree_v), 1), mask,
+        )  # fmt: skip
+        self._tree_k = torch.cat((self._tree_k, k_new), 1)
+        self._tree_v = torch.cat((self._tree_v, v_new), 1)
+        self._tree_mask, self._frontier_h = tree_mask, h2
+        return self.head.logits(h2)
+
+    @torch.no_grad()
+    def commit(
+        self,
+        tree: kernels.Tree,
+        verdict: kernels.Verdict,
+        outcome: Outcome,
+        features: torch.Tensor | None,
+    ) -> None:
+        """Queue each sequence's new pairs: the features of its root and accepted nodes, with
+        the accepted tokens after the root then its bonus token (lengths from ``outcome``)."""
+        if features is None:
+            raise ValueError("the EAGLE-3 drafter needs the target's features at the tree nodes")
+        B, _, F_in = features.shape
+        lens = outcome.accept_len
+        n = max(lens)
+        dev = features.device
+        path = verdict.accept_path[:, :n].long().clamp(min=0).to(dev)  # [B, n] root first
+        feats = features.gather(1, path.unsqueeze(2).expand(B, n, F_in))
+        following = tree.tokens.to(dev).long().gather(1, path)  # token of node path[i]
+        nxt = torch.cat((following[:, 1:], following[:, :1]), 1)  # token after pair i
+        last = torch.tensor([x - 1 for x in lens], device=dev).view(B, 1)
+        nxt = nxt.scatter(1, last, verdict.bonus_token.to(dev).long().view(B, 1))
+        for b, slot in enumerate(self.slots):
+            self._queue(slot, feats[b, : lens[b]], nxt[b, : lens[b]])
