@@ -33,9 +33,7 @@ def _solo(engine, prompt, options, n=48):
 def test_a_request_gives_its_solo_tokens_in_a_batch(engine32) -> None:
     solo = [_solo(engine32, p, o) for p, o in REQUESTS]
     decoder = BatchDecoder(engine32, max_batch=4)
-    requests = [
-        engine32.request(p, 48, ignore_eos=True, **TREE, **o) for p, o in REQUESTS
-    ]
+    requests = [engine32.request(p, 48, ignore_eos=True, **TREE, **o) for p, o in REQUESTS]
     batched = decoder.run(requests)
     for alone, together in zip(solo, batched, strict=True):
         assert together.token_ids == alone.token_ids

@@ -342,11 +342,12 @@ class LlamaModel:
         ``cache.advance(n)`` or ``cache.commit(kept)``). ``cache`` is one KVCache, or a
         SlotBatch of a SlotPool (each sequence at its own length: a batch of requests).
         ``tree_mask`` [B, n, n] uint8 says which new tokens each one sees (ancestors and
-        itself); None = causal. Returns logits [B, n, V] float32 ([B, 1, V] for the last token with ``last_logits_only``, to spare a
-        long prefill the full vocabulary projection) and the features [B, n, len(ids) * hidden]:
-        HF ``hidden_states[j]`` for each id j in order, the residual entering layer j (0 =
-        embeddings), or None when no ids are asked. With ``output_hidden`` the first output is
-        the final normed state [B, n, hidden] instead of the logits (head training stores it).
+        itself); None = causal. Returns logits [B, n, V] float32 ([B, 1, V] for the last token
+        with ``last_logits_only``, to spare a long prefill the full vocabulary projection) and
+        the features [B, n, len(ids) * hidden]: HF ``hidden_states[j]`` for each id j in order,
+        the residual entering layer j (0 = embeddings), or None when no ids are asked. With
+        ``output_hidden`` the first output is the final normed state [B, n, hidden] instead of
+        the logits (head training stores it).
         """
         self._check_forward(tokens, positions, cache, tree_mask, feature_layers)
         B, n = tokens.shape
