@@ -145,12 +145,16 @@ class BatchDecoder:
         return seq
 
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's slot (finished, cancelled or failed)."""
+        """Free a sequence's slot (finished, cancelled or failed). The last sequence of a group
+        takes the group's tree policy with it: the next request of that kind starts afresh, as
+        alone (its cost profile stays cached by the engine), so a seeded request reproduces."""
         if seq in self.running:
             self.running.remove(seq)
             self.pool.release(seq.slot)
             if self.drafter is not None:
                 self.drafter.release(seq.slot)
+            if not any(s.group == seq.group for s in self.running):
+                self._policies.pop(seq.group, None)
 
     # --- steps -----------------------------------------------------------------------------
 

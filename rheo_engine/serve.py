@@ -140,7 +140,8 @@ class Server:
         except QueueFull as err:
             raise ApiError(429, str(err)) from None
         except ValueError as err:
-            code = "context_length_exceeded" if "context is" in str(err) else None
+            too_long = "context is" in str(err) or "slot holds" in str(err)
+            code = "context_length_exceeded" if too_long else None
             raise ApiError(400, str(err), None, code) from None
         call = Call(self.model_name, self.tokenizer, chat, given, handle)
         if given.get("stream"):
@@ -190,11 +191,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="require Authorization: Bearer KEY (default: $RHEO_API_KEY)")  # fmt: skip
     p.add_argument("--served-model-name", help="the model name (default: the target's folder)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together (continuous batching); KV slots")  # fmt: skip
+    p.add_argument("--max-len", type=int, default=None,
+                   help="rows per KV slot (default: the target's context)")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     args = p.parse_args(argv)
     try:
         engine = Engine.from_pretrained(args.target, args.draft, device=args.device)
-        scheduler = Scheduler(engine, max_queue=args.max_queue)
+        scheduler = Scheduler(engine, args.max_queue, args.max_batch, args.max_len)
     except (ValueError, FileNotFoundError) as err:
         p.exit(2, f"rheo_engine.serve: {err}\n")
     name = args.served_model_name or default_model_name(args.target)

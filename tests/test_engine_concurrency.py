@@ -1,7 +1,8 @@
-"""Many callers of one engine (issue 12 §2, first part): threads calling ``generate`` at once,
-and asyncio callers of ``agenerate`` / ``astream`` served by the engine's one Scheduler. Each
-request gives exactly the tokens it gives alone (its coins depend on its own seed and steps
-only), and a reader that stops early cancels its request and frees the scheduler."""
+"""Many callers of one engine (issue 12 §2): threads calling ``generate`` at once, and asyncio
+callers of ``agenerate`` / ``astream`` served by the engine's one Scheduler, which decodes them
+as one batch (continuous batching). Each request gives exactly the tokens it gives alone (its
+coins depend on its own seed and steps only), a reader that stops early cancels its request and
+frees its slot, and the KV memory is bounded up front."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import pytest
 
 from rheo_engine import Engine
+from rheo_engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["def quicksort(xs):", "class Stack:\n", "for i in", "import os\n"]
@@ -54,10 +56,36 @@ def test_asyncio_callers_share_one_scheduler(engine, solo):
         pieces = [piece async for piece in engine.astream(PROMPTS[0], 24, seed=0, **OPTIONS)]
         return gens, "".join(pieces)
 
+    before = sum(n for size, n in engine.scheduler.batch_sizes.items() if size > 1)
     gens, streamed = asyncio.run(main())
     assert [g.token_ids for g in gens] == solo
     assert streamed == gens[0].text
     assert engine.scheduler is engine.scheduler  # one per engine
+    # They shared steps: batches of more than one request ran.
+    assert sum(n for size, n in engine.scheduler.batch_sizes.items() if size > 1) > before
+
+
+def test_threads_submitting_share_batches_and_slots_bound_memory(engine, solo):
+    """More requests than slots, from threads: they queue for a slot, run in batches of at most
+    max_batch, each with its solo tokens; a request too long for a slot is refused at submit."""
+    with Scheduler(engine, max_queue=8, max_batch=2, max_len=200) as scheduler:
+        handles: dict[int, object] = {}
+
+        def submit(i: int) -> None:
+            handles[i] = scheduler.submit(PROMPTS[i], 24, seed=i, **OPTIONS)
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        got = [handles[i].result(120).token_ids for i in range(len(PROMPTS))]
+        assert got == solo
+        assert set(scheduler.batch_sizes) <= {1, 2} and scheduler.batch_sizes[2] > 0
+        assert scheduler.decoder.pool.k.shape[1:3] == (2, 201)  # 2 slots of 200 rows (+ scratch)
+        with pytest.raises(ValueError, match=r"needs 2\d\d rows .* a batch slot holds max_len=200"):
+            scheduler.submit(PROMPTS[0], 200)
+        assert scheduler.decoder.pool.free_slots == 2
 
 
 def test_a_reader_that_stops_early_cancels(engine):
