@@ -239,7 +239,7 @@ class BatchDecoder:
         layers = engine.head.feature_layers if drafts else ()
         view = self.pool.batch([s.slot for s in seqs])
         roots = torch.cat([s.root for s in seqs])
-        prefix = view._lens_dev
+        prefix = view.lengths_dev
         status = self.status.zero_()
         times = StepTimes()
         if cfg.method == "ar":

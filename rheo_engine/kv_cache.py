@@ -200,11 +200,19 @@ class SlotBatch:
         self.lengths = [pool.lengths[s] for s in slots]
         dev = pool.k.device
         self._slots_dev = torch.tensor(self.slots, dtype=torch.int32, device=dev)
-        self._upload_lengths()
+        self._lens: torch.Tensor | None = None
+        self._rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def lengths_dev(self) -> torch.Tensor:
+        """[B] int32 committed lengths on the device (uploaded when first needed after a
+        change: a step's tree positions, its attention and its commit share one upload)."""
+        if self._lens is None:
+            self._lens = torch.tensor(self.lengths, dtype=torch.int32, device=self.pool.k.device)
+        return self._lens
 
     def _upload_lengths(self) -> None:
-        self._lens_dev = torch.tensor(self.lengths, dtype=torch.int32, device=self.pool.k.device)
-        self._rows: dict[int, torch.Tensor] = {}
+        self._lens, self._rows = None, {}
 
     @property
     def batch(self) -> int:
@@ -225,8 +233,8 @@ class SlotBatch:
     def _row_index(self, n: int) -> torch.Tensor:
         """[B, n] rows lengths[b] + j where the n new rows of sequence b go."""
         if n not in self._rows:
-            j = torch.arange(n, device=self._lens_dev.device, dtype=torch.long)
-            self._rows[n] = self._lens_dev.long().view(-1, 1) + j
+            j = torch.arange(n, device=self.lengths_dev.device, dtype=torch.long)
+            self._rows[n] = self.lengths_dev.long().view(-1, 1) + j
         return self._rows[n]
 
     def attend(
@@ -247,7 +255,7 @@ class SlotBatch:
         self.pool.v[layer, slots, rows] = v_new
         return kernels.tree_attention(
             q, self.pool.k[layer], self.pool.v[layer], tree_mask, max(self.lengths),
-            prefix_lens=self._lens_dev, kv_slots=self._slots_dev,
+            prefix_lens=self.lengths_dev, kv_slots=self._slots_dev,
         )  # fmt: skip
 
     def advance(self, n: int) -> None:
@@ -271,7 +279,7 @@ class SlotBatch:
         i = torch.arange(width, device=paths.device).view(1, width)
         kept = torch.tensor(keep, device=paths.device).view(B, 1)
         src = torch.where(i < kept, paths[:, :width].long(), i)  # padding: row i onto itself
-        base = self._lens_dev.long().view(B, 1)
+        base = self.lengths_dev.long().view(B, 1)
         slots = self._slots_dev.long().view(B, 1)
         for cache in (self.pool.k, self.pool.v):
             cache[:, slots, base + i] = cache[:, slots, base + src]

@@ -302,3 +302,50 @@ def test_cuda_step_raises_from_the_status_word():
     engine.head.w["lm_head.weight"].fill_(math.nan)
     with pytest.raises(ValueError, match="the draft logits must be finite"):
         engine.generate(PROMPT, 8, method="rheo", tree="fixed", **SMALL_TREE)
+
+
+# --- a batch of requests (rheo_engine.batch) -----------------------------------------------------
+
+BATCH_PROMPTS = ["def quicksort(xs):", "class Stack:\n", "for i in", "import os\n"]
+
+
+def count_batch(engine, B: int, method: str) -> tuple[list[tuple[int, int, int]], int]:
+    """Per decoder step: (host reads, batches it ran, operators); and the tokens produced."""
+    from rheo_engine.batch import BatchDecoder
+
+    decoder = BatchDecoder(engine, max_batch=B)
+    requests = [
+        engine.request(BATCH_PROMPTS[i], 16, method=method, temperature=1.0, seed=i,
+                       ignore_eos=True, tree="fixed", **SMALL_TREE)  # fmt: skip
+        for i in range(B)
+    ]
+    counter, steps, parts = OpCounter(), [], []
+    real = decoder._step
+
+    def counted(*args):
+        parts.append(1)
+        return real(*args)
+
+    decoder._step = counted
+    with torch.no_grad(), counter:
+        for r in requests:
+            decoder.admit(r)
+        while decoder.running:
+            reads, ops, before = counter.host_reads, counter.ops, len(parts)
+            decoder.step()
+            steps.append((counter.host_reads - reads, len(parts) - before, counter.ops - ops))
+    return steps, sum(len(r.result.token_ids) for r in requests)
+
+
+@pytest.mark.parametrize("method", ["ar", "rheo"])
+def test_a_batched_step_reads_once_per_batch(default_engine, method):
+    """Four sequences: each batch a step runs reads the device once (a step splits into two
+    batches only where sequences near their end cut their fixed tree differently), and the
+    operators per token fall with the batch: one target forward serves all four."""
+    steps, tokens = count_batch(default_engine, 4, method)
+    assert all(reads == batches for reads, batches, _ in steps), steps
+    assert sum(b for _, b, _ in steps) <= len(steps) + 4
+    alone, alone_tokens = count_batch(default_engine, 1, method)
+    per_token = sum(ops for *_, ops in steps) / tokens
+    per_token_alone = sum(ops for *_, ops in alone) / alone_tokens
+    assert per_token < 0.6 * per_token_alone, (per_token, per_token_alone)
