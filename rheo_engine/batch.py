@@ -11,11 +11,12 @@ the sequence, so a request gives the tokens it gives alone (tests/test_batch.py)
 float rounding of a wider matmul.
 
 One tree shape per step for the batch (the kernels' [B, N] layout): requests whose trees may
-differ (method family, topk/depth/total_tokens, tree="fixed"/"auto") form separate groups, and
-a step runs one group. A group's tree is chosen before the step from what is known then (each
-sequence's free rows and tokens still wanted, the policy's past evidence): lossless as for one
-request (DESIGN.md §2.4). The auto tree prices trees for the group's batch size
-(tree_policy.CostProfile.step_s).
+differ (one that drafts vs one that never does, topk/depth/total_tokens, tree="fixed"/"auto")
+form separate groups, and a step runs one group; methods topk, rrsw and rheo share a group
+(each entry's pools and verification follow its own method). A group's tree is chosen before
+the step from what is known then (each sequence's free rows and tokens still wanted, the
+policy's past evidence): lossless as for one request (DESIGN.md §2.4). The auto tree prices
+trees for the group's batch size (tree_policy.CostProfile.step_s).
 """
 
 from __future__ import annotations
