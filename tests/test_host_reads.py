@@ -315,8 +315,16 @@ def count_batch(engine, B: int, method: str) -> tuple[list[tuple[int, int, int]]
 
     decoder = BatchDecoder(engine, max_batch=B)
     requests = [
-        engine.request(BATCH_PROMPTS[i], 16, method=method, temperature=1.0, seed=i,
-                       ignore_eos=True, tree="fixed", **SMALL_TREE)  # fmt: skip
+        engine.request(
+            BATCH_PROMPTS[i],
+            16,
+            method=method,
+            temperature=1.0,
+            seed=i,
+            ignore_eos=True,
+            tree="fixed",
+            **SMALL_TREE,
+        )  # fmt: skip
         for i in range(B)
     ]
     counter, steps, parts = OpCounter(), [], []
