@@ -13,6 +13,19 @@ import torch
 from rheo_engine import kernels
 
 
+def _zeros_kv(what: str, n_layers: int, batch: int, rows: int, n_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V buffers [n_layers, batch, rows, Hkv, D], every size checked >= 1."""
+    if min(n_layers, batch, rows, n_kv_heads, head_dim) < 1:
+        raise ValueError(
+            f"{what} sizes must be >= 1, got n_layers={n_layers}, batch={batch}, "
+            f"rows={rows}, n_kv_heads={n_kv_heads}, head_dim={head_dim}"
+        )
+    shape = (n_layers, batch, rows, n_kv_heads, head_dim)
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))  # fmt: skip
+
+
 class KVCache:
     def __init__(
         self,
@@ -24,14 +37,9 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if min(n_layers, batch, max_len, n_kv_heads, head_dim) < 1:
-            raise ValueError(
-                f"KVCache sizes must be >= 1, got n_layers={n_layers}, batch={batch}, "
-                f"max_len={max_len}, n_kv_heads={n_kv_heads}, head_dim={head_dim}"
-            )
-        shape = (n_layers, batch, max_len, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, max_len, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, max_len, Hkv, D]
+        # [n_layers, B, max_len, Hkv, D] each
+        self.k, self.v = _zeros_kv("KVCache", n_layers, batch, max_len, n_kv_heads, head_dim,
+                                   dtype, device)  # fmt: skip
         self.max_len = max_len
         self.length = 0  # rows committed (the prefix every later token sees)
 
@@ -144,14 +152,11 @@ class SlotPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if min(n_layers, slots, max_len, n_kv_heads, head_dim) < 1:
-            raise ValueError(
-                f"SlotPool sizes must be >= 1, got n_layers={n_layers}, slots={slots}, "
-                f"max_len={max_len}, n_kv_heads={n_kv_heads}, head_dim={head_dim}"
-            )
-        shape = (n_layers, slots, max_len + 1, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if max_len < 1:
+            raise ValueError(f"SlotPool max_len={max_len} must be >= 1")
+        # [n_layers, slots, max_len + 1, Hkv, D] each: the last row of a slot is scratch
+        self.k, self.v = _zeros_kv("SlotPool", n_layers, slots, max_len + 1, n_kv_heads,
+                                   head_dim, dtype, device)  # fmt: skip
         self.max_len = max_len
         self.lengths = [0] * slots  # committed rows per slot (host)
         self._free = list(range(slots - 1, -1, -1))

@@ -21,14 +21,19 @@ sequence (tests/test_lossless.py), with four sequences drafted and verified toge
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
 from test_engine import first_two_law, law_p_value
-from test_lossless import _break_proxy, law_of_next_tokens, quantized_table, step_law, target_law
+from test_lossless import (
+    _break_proxy,
+    enumerate_drafts,
+    law_of_next_tokens,
+    quantized_table,
+    step_law,
+    target_law,
+)  # fmt: skip
 
-from rheo_engine import kernels
 from rheo_engine.batch import BatchDecoder, _row
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.draft import DraftTree, SequenceCoins, draft_tree, pool_kind
@@ -68,49 +73,10 @@ CASES = {
 }
 
 
-class _NeedChoice(Exception):
-    def __init__(self, level: int, choices: list[list[tuple[int, float]]]) -> None:
-        super().__init__(level)
-        self.level, self.choices = level, choices
-
-
 def enumerate_batch_drafts(cfg: TreeConfig, coins: list[SequenceCoins], build):
     """Every (probability, DraftTree) of ``build(forced)``, a batched draft_tree call: the
-    sampled token of every row of every entry enumerated jointly, each row's q~ from its own
-    entry's temperature and pool kind (rows of entry b are b * rows_per_entry + j)."""
-    out = []
-
-    def run(decisions: dict[int, torch.Tensor], weight: float) -> None:
-        def forced(level: int, logits: torch.Tensor) -> torch.Tensor | None:
-            if level in decisions:
-                return decisions[level]
-            per = logits.shape[0] // len(coins)
-            choices = []
-            for b, c in enumerate(coins):
-                rows = logits[b * per : (b + 1) * per]
-                pool = kernels.pool_sampler(
-                    rows, cfg.topk, cfg.leads, cfg.support, c.temperature, c.kind
-                )
-                for r in range(per):
-                    if int(pool.sampled_slot[r]) < 0:
-                        choices.append([(-1, 1.0)])
-                        continue
-                    ids, probs = pool.q_tilde_ids[r].tolist(), pool.q_tilde[r].tolist()
-                    choices.append([(t, p) for t, p in zip(ids, probs, strict=True) if p > 0])
-            raise _NeedChoice(level, choices)
-
-        try:
-            dt = build(forced)
-        except _NeedChoice as need:
-            for combo in itertools.product(*need.choices):
-                tokens = torch.tensor([t for t, _ in combo], dtype=torch.int32)
-                run({**decisions, need.level: tokens}, weight * math.prod(p for _, p in combo))
-            return
-        out.append((weight, dt))
-
-    run({}, 1.0)
-    assert abs(sum(w for w, _ in out) - 1.0) < 1e-12, "enumeration must cover every draw"
-    return out
+    sampled token of every row of every entry enumerated jointly (test_lossless)."""
+    return enumerate_drafts(cfg, 0.0, build, coins)
 
 
 def rotate_level0(dt: DraftTree, n: int) -> DraftTree:

@@ -42,23 +42,45 @@ class _NeedChoice(Exception):
         self.level, self.choices = level, choices
 
 
-def enumerate_drafts(cfg: TreeConfig, temperature: float, build) -> list[tuple[float, DraftTree]]:
-    """Every draft tree ``build(forced)`` can produce, with its probability (product of q~(Y))."""
+def enumerate_drafts(
+    cfg: TreeConfig, temperature: float, build, coins: list | None = None
+) -> list[tuple[float, DraftTree]]:
+    """Every draft tree ``build(forced)`` can produce, with its probability (product of q~(Y)).
+    ``coins`` (draft.SequenceCoins per batch entry, a batched draft_tree call): every entry's
+    rows enumerated jointly, each row's q~ from its own entry's temperature and pool kind (rows
+    of entry b are b * rows_per_entry + j); else every row uses ``temperature``."""
     kind = pool_kind(cfg.method, temperature)
     out: list[tuple[float, DraftTree]] = []
+
+    def pools(logits: torch.Tensor) -> list[kernels.Pool]:
+        if coins is None:
+            return [kernels.pool_sampler(logits, cfg.topk, cfg.leads, cfg.support, temperature,
+                                         kind)]  # fmt: skip
+        per = logits.shape[0] // len(coins)
+        return [
+            kernels.pool_sampler(
+                logits[b * per : (b + 1) * per],
+                cfg.topk,
+                cfg.leads,
+                cfg.support,
+                c.temperature,
+                c.kind,
+            )  # fmt: skip
+            for b, c in enumerate(coins)
+        ]
 
     def run(decisions: dict[int, torch.Tensor], weight: float) -> None:
         def forced(level: int, logits: torch.Tensor) -> torch.Tensor | None:
             if level in decisions:
                 return decisions[level]
-            pool = kernels.pool_sampler(logits, cfg.topk, cfg.leads, cfg.support, temperature, kind)
             choices = []
-            for row in range(logits.shape[0]):
-                if int(pool.sampled_slot[row]) < 0:
-                    choices.append([(-1, 1.0)])
-                    continue
-                ids, probs = pool.q_tilde_ids[row].tolist(), pool.q_tilde[row].tolist()
-                choices.append([(t, p) for t, p in zip(ids, probs, strict=True) if p > 0])
+            for pool in pools(logits):
+                for row in range(pool.tokens.shape[0]):
+                    if int(pool.sampled_slot[row]) < 0:
+                        choices.append([(-1, 1.0)])
+                        continue
+                    ids, probs = pool.q_tilde_ids[row].tolist(), pool.q_tilde[row].tolist()
+                    choices.append([(t, p) for t, p in zip(ids, probs, strict=True) if p > 0])
             raise _NeedChoice(level, choices)
 
         try:
