@@ -7,12 +7,13 @@ batching: rheo_engine.batch); and each request's latency (submit to its last tok
         --plot bench/plots/throughput_widened.png
 
 A round runs every (method, concurrency) once, in an order rotated by one each round (drift and
-warm caches hit all alike); a run submits ``c`` requests at once (prompts from the question sets
-when ../shared/data is there, else built-in ones; ``--max-new-tokens`` each, EOS ignored so every
-run produces the same work) and waits for all. Throughput is that run's tokens / its wall time;
-the table gives the median over rounds, and the ratios against the same method at concurrency 1
-are medians of the per-round ratios (paired samples of the same round). Latencies: p50 and p95
-over every request of every round.
+warm caches hit all alike); a run submits ``c`` requests at once and waits for all. Prompts
+come from the question sets when ../shared/data is there (HumanEval and MT-bench alternating),
+else built-in ones, all cut to the same token count (``--prompt-tokens``, prefill included in
+the times); ``--max-new-tokens`` each, EOS ignored, so every request does the same work.
+Throughput is a run's tokens / its wall time; the table gives the median over rounds, and the
+ratios against the same method at concurrency 1 are medians of the per-round ratios (paired
+samples of the same round). Latencies: p50 and p95 over every request of every round.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch
 from common import commit_id, conditions, conditions_line, markdown_table
 from inputs import (
     DEFAULT_DATA,
+    BadInput,
     add_model_args,
+    at_least,
     cli,
     data_dir,
     load_engine,
@@ -57,12 +60,31 @@ def prompts(n: int, data: str | None) -> list[str]:
     return [texts[i % len(texts)] for i in range(n)]
 
 
+def int_list(text: str) -> list[int]:
+    """--concurrency: comma-separated ints >= 1."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; pass integers >= 1 such as 1,2,4,8")
+    return values
+
+
+def equal_prompts(engine, texts: list[str], most: int) -> list[list[int]]:
+    """The prompts as token ids, each cut to the same length (the shortest one's, at most
+    ``most`` tokens), so every request of every concurrency costs the same prefill."""
+    ids = [engine.tokenizer.encode(t, bos=True) for t in texts]
+    n = min(most, *(len(i) for i in ids))
+    return [i[:n] for i in ids]
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def run_once(scheduler: Scheduler, texts: list[str], options: dict, max_new: int, seed: int):
+def run_once(scheduler: Scheduler, texts: list[list[int]], options: dict, max_new: int, seed: int):
     """Submit every prompt at once; (tokens, wall seconds, per-request latencies)."""
     start = time.perf_counter()
     handles = [
@@ -80,25 +102,29 @@ def run_once(scheduler: Scheduler, texts: list[str], options: dict, max_new: int
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
     p.add_argument("--methods", default="ar,rheo")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    p.add_argument("--rounds", type=at_least(1), default=3)
+    p.add_argument("--temperature", type=at_least(0.0, float), default=1.0)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=64,
+                   help="every prompt cut to this")  # fmt: skip
     p.add_argument("--data", default=None)
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--plot", default=None, help="PNG of throughput against concurrency")
     args = p.parse_args(argv)
-    levels = [int(x) for x in args.concurrency.split(",")]
-    methods = args.methods.split(",")
+    levels, methods = args.concurrency, args.methods.split(",")
+    bad = [m for m in methods if m not in ("ar", "topk", "rrsw", "rheo")]
+    if bad:
+        raise BadInput(f"--methods {args.methods}: {bad} not among ar, topk, rrsw, rheo")
     torch.set_num_threads(args.threads)
     target, draft = resolve_pair(args.pair, args.target, args.draft)
     engine = load_engine(target, draft, args.device, args.dtype)
     cond = conditions("throughput", args.device, pair=args.pair, dtype=str(engine.target.dtype),
-                      max_new_tokens=args.max_new_tokens,
+                      max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens,
                       temperature=args.temperature, rounds=args.rounds)  # fmt: skip
     print(conditions_line(cond), file=sys.stderr)
-    texts = prompts(max(levels), args.data)
+    texts = equal_prompts(engine, prompts(max(levels), args.data), args.prompt_tokens)
     scheduler = Scheduler(engine, max_queue=max(levels), max_batch=max(levels))
     configs = [(m, c) for m in methods for c in levels]
     base = dict(temperature=args.temperature)

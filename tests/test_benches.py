@@ -490,3 +490,16 @@ def test_benches_on_stories260K(pair, stories_dir, tmp_path, capsys):
     _e2e_stories_question_sets_cut_long_prompts(pair, stories_dir)
     _table4_stories_on_real_contexts(pair, tmp_path / "t4")
     _ablations_stories_write_their_files(pair, tmp_path / "ablations")
+
+
+def test_throughput_and_batch_ops_quick():
+    """bench/throughput.py and bench/batch_ops.py on the default pair, tiny settings."""
+    run = _run_script(["bench/throughput.py", "--concurrency", "1,2", "--max-new-tokens", "4",
+                       "--rounds", "1", "--prompt-tokens", "4"])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| rheo | 2 |" in run.stdout and "rheo / ar at concurrency 2:" in run.stdout
+    run = _run_script(["bench/batch_ops.py", "--batches", "1,2", "--max-new-tokens", "6"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| ar | 2 |" in run.stdout and "| rheo | 1 |" in run.stdout
+    bad = _run_script(["bench/throughput.py", "--concurrency", "0,2"])
+    assert bad.returncode == 2 and "--concurrency" in bad.stderr and "Traceback" not in bad.stderr
