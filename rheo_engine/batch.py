@@ -35,7 +35,7 @@ from rheo_engine.loop import StepTimes
 from rheo_engine.models.eagle3_batch import Eagle3BatchDrafter
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.request import Request, _TargetRunner
-from rheo_engine.tree_policy import AutoTree, FixedTree
+from rheo_engine.tree_policy import AutoTree
 from rheo_engine.verify import Outcome, control_logits, emitted_logprobs, read_outcome, verify_tree
 
 __all__ = ["BatchDecoder", "Sequence"]
@@ -66,6 +66,10 @@ def _outcome_row(outcome: Outcome, b: int) -> Outcome:
         accept_path=outcome.accept_path[b : b + 1], path_tokens=outcome.path_tokens[b : b + 1],
         depth=outcome.depth[b : b + 1], status=outcome.status,
     )  # fmt: skip
+
+
+class _NotYet(Exception):
+    """The auto tree cannot measure its costs on this request (a one-token prompt)."""
 
 
 class BatchDecoder:
@@ -187,21 +191,24 @@ class BatchDecoder:
         (measured on this request alone the first time, as a lone request would)."""
         policy = self._policies.get(seq.group)
         if policy is None:
-            request = seq.request
-            if request.tree == "fixed":
-                policy = FixedTree(request.tree_cfg)
-            else:
-                engine, head = self.engine, self.engine.head
+            request, engine = seq.request, self.engine
+
+            def measure(key: str):
+                head = engine.head
                 rows = len(request.prompt_ids) + request.tree_cfg.total_tokens
-                max_len = min(request.context, rows)
-                cache: KVCache = engine.target.new_cache(max_len)
+                cache: KVCache = engine.target.new_cache(min(request.context, rows))
                 runner = _TargetRunner(engine.target, cache, head.feature_layers)
-                drafter = Eagle3Drafter(head, max_len)
+                drafter = Eagle3Drafter(head, cache.max_len)
                 root = request._prefill(runner, drafter, cache)
                 if drafter.length == 0:
-                    return None  # a one-token prompt: measure with a later request
+                    raise _NotYet  # a one-token prompt: measure with a later request
                 with torch.no_grad():
-                    policy = request._policy(runner, drafter, root, cache)
+                    return request._measure(runner, drafter, root, cache, key)
+
+            try:
+                policy = request._policy(measure)
+            except _NotYet:
+                return None
             self._policies[seq.group] = policy
         return policy
 

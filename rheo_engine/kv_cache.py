@@ -254,6 +254,11 @@ class SlotBatch:
         sequence's committed rows and the new rows ``tree_mask`` [B, n, n] allows."""
         n = k_new.shape[1]
         self.check_room(n)
+        if self.batch == 1:  # one sequence (a prefill, a batch of one): slices, as KVCache
+            slot, lo = self.slots[0], self.lengths[0]
+            k, v = self.pool.k[layer, slot : slot + 1], self.pool.v[layer, slot : slot + 1]
+            k[:, lo : lo + n], v[:, lo : lo + n] = k_new, v_new
+            return kernels.tree_attention(q, k[:, : lo + n], v[:, : lo + n], tree_mask, lo)
         slots = self._slots_dev.long().view(-1, 1)
         rows = self._row_index(n)
         self.pool.k[layer, slots, rows] = k_new

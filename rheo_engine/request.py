@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -417,7 +417,11 @@ class Request:
             # A head needs one (feature, token) pair before it can draft, so the first step of
             # a one-token prompt is a plain target step.
             if head is not None and policy is None and drafter.length > 0:
-                policy = self._policy(runner, drafter, root, cache)
+
+                def measure(key: str, root: torch.Tensor = root) -> CostProfile:
+                    return self._measure(runner, drafter, root, cache, key)
+
+                policy = self._policy(measure)
             # Lossless (DESIGN.md §2.4): the policy fixes the tree from what is known before the
             # step (the free context rows, the tokens still wanted, past steps and measured
             # costs), never from its coins or logits; see tree_policy and loop.fit_tree.
@@ -447,9 +451,10 @@ class Request:
             produced += len(emitted)
             yield emitted, step_logprobs
 
-    def _policy(self, runner: _TargetRunner, drafter, root: torch.Tensor, cache: KVCache):
+    def _policy(self, measure: Callable[[str], CostProfile]):
         """The fixed tree, or the cost model over a profile: given, cached by the engine for
-        this (model, device, dtype, threads, pool), or measured now on this request's state."""
+        this (model, device, dtype, threads, pool), or ``measure(key)`` now (on this request's
+        state: only then does the caller pay for what measuring needs)."""
         if self.tree == "fixed":
             return FixedTree(self.tree_cfg)
         engine, cfg = self.engine, self.tree_cfg
@@ -469,7 +474,7 @@ class Request:
         else:
             profile = engine.cost_profiles.get(key)
         if profile is None:
-            profile = self._measure(runner, drafter, root, cache, key)
+            profile = measure(key)
             if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
                 engine.cost_profiles[key] = profile  # covers every tree: reuse it
             if isinstance(self.cost_profile, (str, Path)):
