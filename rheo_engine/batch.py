@@ -72,19 +72,23 @@ class _NotYet(Exception):
     """The auto tree cannot measure its costs on this request (a one-token prompt)."""
 
 
+DEFAULT_MAX_LEN = 4096  # rows per slot when not given (a long-context model's full context
+# in every slot would take max_batch times its whole KV up front: 137 GB for a Llama-3-8B)
+
+
 class BatchDecoder:
     """Decodes up to ``max_batch`` requests at once on one Engine (one thread at a time: the
     scheduler's worker, or ``Engine.generate`` with a list of prompts).
 
-    KV memory is ``max_batch`` slots of ``max_len`` rows (default: the target's context), taken
-    when a request is admitted; ``admit`` raises ValueError for a request that cannot fit a
-    slot, and ``full`` says when no slot is free."""
+    KV memory is ``max_batch`` slots of ``max_len`` rows (default: the target's context, at
+    most DEFAULT_MAX_LEN), allocated up front; ``admit`` raises ValueError for a request that
+    cannot fit a slot, and ``full`` says when no slot is free."""
 
     def __init__(self, engine, max_batch: int = 8, max_len: int | None = None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
         context = engine.target.cfg.max_position_embeddings
-        max_len = context if max_len is None else max_len
+        max_len = min(context, DEFAULT_MAX_LEN) if max_len is None else max_len
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len={max_len!r} must be an int >= 2 (rows per sequence)")
         self.engine, self.max_batch, self.max_len = engine, max_batch, min(max_len, context)

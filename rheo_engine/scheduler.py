@@ -172,9 +172,9 @@ class Scheduler:
     sequences; between two steps it lets finished and cancelled requests go (their KV slot is
     freed at once) and admits waiting ones (their prefill runs, and they join the next step).
     At most ``max_queue`` requests wait for a slot; ``submit`` past that raises QueueFull.
-    ``max_len`` bounds each slot's rows (default: the target's context), so the KV memory is
-    ``max_batch * max_len`` rows, taken up front; a request that cannot fit a slot is refused
-    by ``submit`` (ValueError)."""
+    ``max_len`` bounds each slot's rows (default: the target's context, at most 4096), so the
+    KV memory is ``max_batch * max_len`` rows, taken up front; a request that cannot fit a slot
+    is refused by ``submit`` (ValueError)."""
 
     def __init__(
         self, engine: Engine, max_queue: int = 64, max_batch: int = 8, max_len: int | None = None

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together (continuous batching); KV slots")  # fmt: skip
     p.add_argument("--max-len", type=int, default=None,
-                   help="rows per KV slot (default: the target's context)")  # fmt: skip
+                   help="rows per KV slot (default: the context, at most 4096)")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     args = p.parse_args(argv)
     try:
