@@ -75,6 +75,9 @@ class Eagle3BatchDrafter:
             toks.append(torch.cat([t for _, t in self._pending[s]], 0))
             counts.append(feats[-1].shape[0])
             self._pending[s], self._pending_rows[s] = [], 0
+        if len(waiting) == 1:  # one sequence: slices of its slot, no padding (as one cache)
+            self._append_one(waiting[0], feats[0], toks[0])
+            return
         n = max(counts)
         features = torch.stack([F.pad(f, (0, 0, 0, n - f.shape[0])) for f in feats])
         tokens = torch.stack([F.pad(t, (0, n - t.shape[0])) for t in toks])
@@ -102,6 +105,21 @@ class Eagle3BatchDrafter:
         for s, c in zip(waiting, counts, strict=True):
             self.pool.lengths[s] += c
 
+    def _append_one(self, slot: int, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """_flush of a single sequence: its n pairs see its m committed ones, then causally."""
+        dev, head, n = self.head.device, self.head, features.shape[0]
+        m = self.pool.lengths[slot]
+        positions = (m + torch.arange(n, device=dev)).view(1, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        mask = torch.cat((torch.ones(n, m, dtype=torch.bool, device=dev), causal), 1).view(1, n, -1)
+        k_slot, v_slot = self.pool.k[0, slot : slot + 1], self.pool.v[0, slot : slot + 1]
+        h2, k, v = head.layer(head.fuse(features.to(dev).unsqueeze(0)),
+                              tokens.to(dev).view(1, n), positions, k_slot[:, :m],
+                              v_slot[:, :m], mask)  # fmt: skip
+        k_slot[:, m : m + n], v_slot[:, m : m + n] = k, v
+        self._last_h[slot] = h2[0, -1]
+        self.pool.lengths[slot] += n
+
     @torch.no_grad()
     def root_logits(self) -> torch.Tensor:
         """Draft logits [B, Vd] of each root's children; gathers the step's committed rows."""
@@ -115,8 +133,13 @@ class Eagle3BatchDrafter:
         slots = torch.tensor(self.slots, **i64).view(B, 1)
         rows = torch.arange(m_max, **i64).view(1, m_max)
         self._m = torch.tensor(m, **i64).view(B, 1)
-        self._committed_k = self.pool.k[0, slots, rows]  # [B, m_max, Hkv, D]
-        self._committed_v = self.pool.v[0, slots, rows]
+        if B == 1:  # a view of the slot, not a copy
+            s = self.slots[0]
+            self._committed_k = self.pool.k[0, s : s + 1, :m_max]
+            self._committed_v = self.pool.v[0, s : s + 1, :m_max]
+        else:
+            self._committed_k = self.pool.k[0, slots, rows]  # [B, m_max, Hkv, D]
+            self._committed_v = self.pool.v[0, slots, rows]
         self._seen = rows < self._m  # [B, m_max]: the rows each sequence sees
         self._frontier_h = self._last_h[slots.view(B)].unsqueeze(1)  # [B, 1, H]
         c = self.head.cfg
