@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 
@@ -34,7 +36,7 @@ from rheo_engine.kv_cache import KVCache
 from rheo_engine.loop import StepTimes
 from rheo_engine.models.eagle3_batch import Eagle3BatchDrafter
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
-from rheo_engine.request import Request, _TargetRunner
+from rheo_engine.request import Request, _NoDraft, _TargetRunner
 from rheo_engine.tree_policy import AutoTree
 from rheo_engine.verify import Outcome, control_logits, emitted_logprobs, read_outcome, verify_tree
 
@@ -133,23 +135,19 @@ class BatchDecoder:
         start = time.perf_counter()
         drafts = request._uses_head()
         layers = self.engine.head.feature_layers if drafts else ()
-        ids = torch.tensor([request.prompt_ids], device=self.pool.k.device)
-        if ids.shape[1] > 1:
-            body = ids[:, :-1]
-            positions = torch.arange(body.shape[1], device=ids.device).unsqueeze(0)
-            view = self.pool.batch([slot])
-            _, features = self.engine.target.forward(
-                body, positions, view, None, layers, last_logits_only=True
-            )
-            view.advance(body.shape[1])
-            if drafts:
-                self.drafter.prefill(slot, features, ids[:, 1:])
+        view = self.pool.batch([slot])
+        # The head's side of the prefill: this slot's pairs (nothing for a request that never
+        # drafts).
+        head = (
+            SimpleNamespace(prefill=partial(self.drafter.prefill, slot)) if drafts else _NoDraft()
+        )
+        root = request._prefill(_TargetRunner(self.engine.target, view, layers), head, view)
         cfg = request.tree_cfg
         profile = id(request.cost_profile) if request.cost_profile else None
         group = (drafts, request.tree, cfg.topk, cfg.depth, cfg.total_tokens, cfg.leads,
                  cfg.support, profile)  # fmt: skip
         request.prefill_s = time.perf_counter() - start
-        seq = Sequence(request, slot, ids[:, -1], group, min(request.context, self.max_len))
+        seq = Sequence(request, slot, root, group, min(request.context, self.max_len))
         self.running.append(seq)
         return seq
 
@@ -254,10 +252,11 @@ class BatchDecoder:
         prefix = view.lengths_dev
         status = self.status.zero_()
         times = StepTimes()
+        if drafts:
+            self.drafter.begin(view.slots)
         if cfg.method == "ar":
             dt = root_only_tree(roots, prefix)
         else:
-            self.drafter.begin([s.slot for s in seqs])
             coins = [
                 SequenceCoins(s.request.sampling.temperature,
                               pool_kind(s.request.tree_cfg.method, s.request.sampling.temperature),
@@ -289,7 +288,6 @@ class BatchDecoder:
         outcome = read_outcome(tree, verdict, status)  # the step's one host read
         t_verify = time.perf_counter()
         if drafts:
-            self.drafter.begin([s.slot for s in seqs])
             self.drafter.commit(tree, verdict, outcome, features)
         t_head = time.perf_counter()
         view.commit_paths(verdict.accept_path, outcome.accept_len)

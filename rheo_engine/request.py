@@ -508,13 +508,17 @@ class Request:
                 topks=topk_choices(cfg),
             )  # fmt: skip
 
-    def _prefill(self, runner: _TargetRunner, drafter, cache: KVCache) -> torch.Tensor:
-        """Run the target over the prompt but its last token (the first root); seed the head."""
-        ids = torch.tensor([self.prompt_ids], device=cache.k.device)  # [1, P], one upload
+    def _prefill(self, runner: _TargetRunner, drafter, cache) -> torch.Tensor:
+        """Run the target over the prompt but its last token (the first root); seed the head.
+        ``cache``: the request's KVCache, or its slot of a batch (kv_cache.SlotBatch)."""
+        ids = torch.tensor([self.prompt_ids], device=runner.model.device)  # [1, P], one upload
         if ids.shape[1] > 1:
             body = ids[:, :-1]
             positions = torch.arange(body.shape[1], device=ids.device).unsqueeze(0)
-            _, features = runner.model.forward(body, positions, cache, None, runner.feature_layers)
+            # Only the K/V and the features are kept: no vocabulary projection of the prompt.
+            _, features = runner.model.forward(
+                body, positions, cache, None, runner.feature_layers, last_logits_only=True
+            )
             cache.advance(body.shape[1])
             drafter.prefill(features, ids[:, 1:])
         return ids[:, -1]
