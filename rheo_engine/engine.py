@@ -16,9 +16,11 @@ import torch
 from rheo_engine import kernels
 from rheo_engine.batch import BatchDecoder
 from rheo_engine.io.generation_config import GenerationDefaults
+from rheo_engine.io.gguf import is_gguf, read_gguf
 from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.pairs import resolve_pair
 from rheo_engine.request import TREES, Generation, Request
 from rheo_engine.scheduler import Scheduler
 from rheo_engine.tree_policy import CostProfile
@@ -101,14 +103,24 @@ class Engine:
         draft: str | Path | None = None,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        pair: str | None = None,
     ) -> Engine:
-        """Load a target HF Llama directory and an EAGLE-3 head directory (None: no drafting).
+        """Load a target (an HF Llama directory, or a llama ``.gguf`` file, dequantized) and an
+        EAGLE-3 head directory (None: no drafting), or a named ``pair`` (rheo_engine.pairs:
+        "default", "smollm2").
 
-        With neither, loads the embedded default pair from weights/default/. ``device`` is
+        With none of them, loads the embedded default pair from weights/default/. ``device`` is
         checked first: one that torch or this build cannot use is a ValueError listing those
         that are available.
         """
         device = _check_device(device)
+        if pair is not None:
+            if target is not None or draft is not None:
+                raise ValueError(
+                    f"pair={pair!r} names a target and a head; pass pair= or target=/draft=, "
+                    "not both"
+                )
+            target, draft = resolve_pair(pair)
         if target is None and draft is None:
             target, draft = DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft"
             if not (Path(target) / "config.json").is_file():
@@ -118,9 +130,16 @@ class Engine:
                 )
         if target is None:
             raise ValueError("draft= was given without target=; pass the target directory too")
-        model = LlamaModel.from_pretrained(target, device=device, dtype=dtype)
+        if is_gguf(target):
+            ckpt = read_gguf(target)
+            model = LlamaModel.from_gguf(ckpt, device=device, dtype=dtype)
+            tokenizer, defaults = ckpt.load_tokenizer()
+            del ckpt  # the float32 copy of every weight
+        else:
+            model = LlamaModel.from_pretrained(target, device=device, dtype=dtype)
+            tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
         head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, dtype)
-        return cls(model, head, Tokenizer.from_dir(target), GenerationDefaults.from_dir(target))
+        return cls(model, head, tokenizer, defaults)
 
     # --- the public calls -----------------------------------------------------------------
 

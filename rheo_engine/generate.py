@@ -27,6 +27,7 @@ import torch
 from rheo_engine.config import METHODS
 from rheo_engine.engine import TREES, Engine, Generation, Request
 from rheo_engine.models.llama import parameter_count
+from rheo_engine.pairs import PAIRS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROG = "python -m rheo_engine.generate"
@@ -107,7 +108,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompt-file", metavar="PATH", help="a UTF-8 text file whose whole content is the prompt"
     )
-    p.add_argument("--target", metavar="DIR", help="HF Llama directory (default: embedded pair)")
+    p.add_argument(
+        "--pair", choices=sorted(PAIRS),
+        help="a named target + head: " + "; ".join(f"{n}: {q.about}" for n, q in PAIRS.items()),
+    )  # fmt: skip
+    p.add_argument(
+        "--target", metavar="DIR|FILE",
+        help="HF Llama directory or llama .gguf file (default: embedded pair)",
+    )  # fmt: skip
     p.add_argument("--draft", metavar="DIR", help="EAGLE-3 head directory (default: embedded)")
     p.add_argument("--method", choices=METHODS, default="rheo")
     shipped = "default: the target's generation_config.json, else"
@@ -178,7 +186,10 @@ def parser() -> argparse.ArgumentParser:
         "on one thread, else torch's default); the stats line says how many ran",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument(
+        "--chat", action="store_true",
+        help="wrap the prompt in the chat template (on by default with an instruct --pair)",
+    )  # fmt: skip
     p.add_argument(
         "--chat-template", metavar="NAME",
         help="with --chat: model (the target's tokenizer_config.json / chat_template.jinja; the "
@@ -192,6 +203,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _pair_chats(pair: str | None) -> bool:
+    """An instruct --pair (smollm2) wraps every prompt in its chat template."""
+    return pair is not None and PAIRS[pair].chat
+
+
 def _options(args: argparse.Namespace) -> dict:
     return dict(
         method=args.method, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -200,7 +216,8 @@ def _options(args: argparse.Namespace) -> dict:
         stop=args.stop, ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens,
         logprobs=args.logprobs, top_logprobs=args.top_logprobs, seed=args.seed, topk=args.topk,
         depth=args.depth, total_tokens=args.total_tokens,
-        leads=args.leads, support=args.support, chat=args.chat, chat_template=args.chat_template,
+        leads=args.leads, support=args.support, chat=args.chat or _pair_chats(args.pair),
+        chat_template=args.chat_template,
         tree=args.tree,
         cost_profile=args.cost_profile,
     )  # fmt: skip
@@ -410,7 +427,7 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
     if args.threads is not None and args.threads < 1:
         raise BadInput(f"--threads {args.threads} must be >= 1; pass 1 or more CPU threads")
     dtype = None if args.dtype is None else _DTYPES[args.dtype]
-    engine = Engine.from_pretrained(args.target, args.draft, args.device, dtype)
+    engine = Engine.from_pretrained(args.target, args.draft, args.device, dtype, args.pair)
     progress.threads = args.threads or default_threads(parameter_count(engine.target.cfg))
     torch.set_num_threads(progress.threads)
     for prompt in prompts(args):

@@ -178,11 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from rheo_engine.engine import Engine
+    from rheo_engine.pairs import PAIRS
 
     p = argparse.ArgumentParser(
         prog="python -m rheo_engine.serve", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--target", help="HF Llama directory (default: the embedded pair)")
+    p.add_argument(
+        "--pair", choices=sorted(PAIRS), help="a named target + head (rheo_engine.pairs)"
+    )
+    p.add_argument("--target", help="HF Llama directory or .gguf file (default: embedded pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default: the embedded pair)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--host", default="127.0.0.1")
@@ -198,11 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     args = p.parse_args(argv)
     try:
-        engine = Engine.from_pretrained(args.target, args.draft, device=args.device)
+        engine = Engine.from_pretrained(args.target, args.draft, args.device, pair=args.pair)
         scheduler = Scheduler(engine, args.max_queue, args.max_batch, args.max_len)
     except (ValueError, FileNotFoundError) as err:
         p.exit(2, f"rheo_engine.serve: {err}\n")
-    name = args.served_model_name or default_model_name(args.target)
+    name = args.served_model_name or args.pair or default_model_name(args.target)
     server = Server(scheduler, name, args.api_key, args.max_body_bytes)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)

@@ -3,12 +3,15 @@
     python -m rheo_engine.io.convert llama2c MODEL.bin TOKENIZER.model OUT_DIR
     python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR
     python -m rheo_engine.io.convert widen SRC OUT --hidden 2048 --intermediate 8192 --layers 16
+    python -m rheo_engine.io.convert gguf MODEL.gguf OUT_DIR [--dtype bfloat16]
 
 ``llama2c`` reads a llama2.c "version 0" (legacy) checkpoint such as stories260K.bin
 (shared/fixtures/llama2c/README.md) and writes config.json, model.safetensors and
 tokenizer.model that HF ``LlamaForCausalLM.from_pretrained`` loads unchanged. ``widen``
 embeds a target + EAGLE-3 head pair (SRC/target, SRC/draft) in bigger models with the same
 outputs (rheo_engine/io/widen.py), e.g. weights/default to ~1B parameters in .cache/widened.
+``gguf`` dequantizes a llama GGUF file (rheo_engine/io/gguf.py) into an HF directory with its
+tokenizer.json, tokenizer_config.json (chat template) and generation_config.json.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 
+from rheo_engine.config import ModelConfig
 from rheo_engine.io.weights import save_safetensors
+from rheo_engine.models.llama import check_weights
 
 _HEADER = struct.Struct(
     "<7i"
@@ -168,6 +173,19 @@ def convert_llama2c(
     return out
 
 
+def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:  # fmt: skip
+    """A llama GGUF file -> an HF Llama directory at ``out_dir`` (weights checked first)."""
+    from rheo_engine.io.gguf import read_gguf
+
+    out = Path(out_dir)
+    _check_out_dir(out)
+    ckpt = read_gguf(gguf_file)
+    check_weights(ModelConfig.from_dict(ckpt.config, str(gguf_file)), ckpt.tensors)
+    ckpt.save(out, dtype)
+    return out
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (the usage is on --help)."""
 
@@ -197,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=8192, help="MLP width (default 8192)")
     p.add_argument("--layers", type=int, default=16, help="decoder layers (default 16)")
     p.add_argument("--force", action="store_true", help="replace OUT's target/ and draft/")
+    p = sub.add_parser("gguf", help="llama GGUF file (llama.cpp) -> HF Llama directory")
+    p.add_argument("gguf_file", help="a llama .gguf file, e.g. SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("out_dir", help="new (or empty) output directory")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="dtype of the dequantized weights (default bfloat16)")  # fmt: skip
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad argument (2, already said in one line)
@@ -204,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "llama2c":
             out = convert_llama2c(args.model_bin, args.tokenizer_model, args.out_dir)
+        elif args.command == "gguf":
+            out = convert_gguf(args.gguf_file, args.out_dir, getattr(torch, args.dtype))
         elif args.command == "widen":
             from rheo_engine.io.widen import widen  # its own module
 

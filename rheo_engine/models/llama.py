@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rheo_engine.config import ModelConfig
+from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
@@ -219,11 +220,27 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
     ) -> LlamaModel:
-        """Load an HF Llama directory (config.json + safetensors, single or sharded)."""
+        """Load an HF Llama directory (config.json + safetensors, single or sharded), or a
+        llama GGUF file (rheo_engine.io.gguf: dequantized, bf16 unless ``dtype`` says)."""
+        if is_gguf(path):
+            return cls.from_gguf(read_gguf(path), device, dtype)
         cfg = ModelConfig.from_hf_dir(path)
         dtype = resolve_dtype(dtype, cfg)
         model = cls.from_weights(cfg, load_safetensors(path), device, dtype)
         model.source = str(path)
+        return model
+
+    @classmethod
+    def from_gguf(
+        cls,
+        ckpt: GGUFCheckpoint,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> LlamaModel:
+        """Build from a read GGUF file (its config and dequantized tensors)."""
+        cfg = ModelConfig.from_dict(ckpt.config, str(ckpt.path))
+        model = cls.from_weights(cfg, ckpt.tensors, device, dtype)
+        model.source = str(ckpt.path)
         return model
 
     @classmethod
