@@ -37,6 +37,7 @@ from rheo_engine.train.checkpoint import Budget, atomic_folder
 from rheo_engine.train.head_config import _DATA_FIELDS, _STORE, HeadTrainConfig
 from rheo_engine.train.head_data import (
     HeadData,
+    chat_prompts,
     corpus_files,
     corpus_prompts,
     draft_vocabulary,
@@ -87,6 +88,8 @@ def check_inputs(out: Path, work: Path | None, resume: bool, t: ModelConfig,
         )
     if cfg.gen_len < cfg.unroll + 1:
         raise ValueError(f"--gen-len={cfg.gen_len} must exceed --unroll={cfg.unroll}")
+    if cfg.chat and corpus is None:
+        raise ValueError("--chat writes tasks about corpus spans; pass --corpus DIR (or stdlib)")
     if corpus is None and t.bos_token_id is None:
         raise ValueError("the target has no bos_token_id to prompt with; pass --corpus DIR")
 
@@ -98,7 +101,8 @@ def make_prompts(target_dir: Path, t: ModelConfig, cfg: HeadTrainConfig,
         return torch.full((cfg.samples, 1), t.bos_token_id, dtype=torch.int64)
     files = corpus_files(corpus)
     tok = Tokenizer.from_dir(target_dir)
-    return corpus_prompts(files, tok, cfg.samples, cfg.prompt_len, random.Random(cfg.seed))
+    make = chat_prompts if cfg.chat else corpus_prompts
+    return make(files, tok, cfg.samples, cfg.prompt_len, random.Random(cfg.seed))
 
 
 def load_or_generate(target: LlamaModel, target_dir: Path, cfg: HeadTrainConfig,
@@ -299,7 +303,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--init-from", type=Path, help="start from this head's weights (fine-tune)")
     d = HeadTrainConfig()
     for f in fields(HeadTrainConfig):
-        if f.name != "feature_layers":
+        if f.name == "chat":
+            p.add_argument("--chat", action="store_true", help="prompts in the chat template")
+        elif f.name != "feature_layers":
             value = getattr(d, f.name)
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value,
                            help=f"default {value}")  # fmt: skip

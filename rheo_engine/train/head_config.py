@@ -8,7 +8,8 @@ import torch
 
 _STORE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # The settings that decide the generated data (kept in --work/data.json for reuse).
-_DATA_FIELDS = ("feature_layers", "samples", "gen_len", "prompt_len", "seed", "store_dtype")
+_DATA_FIELDS = ("feature_layers", "samples", "gen_len", "prompt_len", "seed", "store_dtype",
+                "chat")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class HeadTrainConfig:
     max_steps: int = 0  # 0 = as many as --minutes allows
     seed: int = 0
     store_dtype: str = "float16"  # features and states in memory (bfloat16 for wide ranges)
+    chat: bool = False  # prompts in the target's chat template (head_data.chat_prompts)
 
     def __post_init__(self) -> None:
         for name in ("unroll", "samples", "gen_len", "prompt_len", "batch"):

@@ -84,6 +84,45 @@ def corpus_prompts(files: list[Path], tok: Tokenizer, n: int, length: int,
 
 STDLIB = "stdlib"  # --corpus stdlib: the default target's own training files
 
+# --chat: what a user asks about a corpus span. A chat target (SmolLM2-Instruct) is used through
+# its template, so its head must see the template and an assistant's replies, not raw text; the
+# tasks are generic (none comes from a benchmark set) and the span supplies the variety.
+CHAT_TASKS = (
+    "Explain what this code does, step by step:\n\n{span}",
+    "Find the bugs in this code and fix them:\n\n{span}",
+    "Write unit tests for this code:\n\n{span}",
+    "Rewrite this code to be simpler and add comments:\n\n{span}",
+    "Summarize the following text in a few sentences:\n\n{span}",
+    "Answer a beginner's question about this passage: what does it mean?\n\n{span}",
+    "Continue this text:\n\n{span}",
+    "Write a short story inspired by this:\n\n{span}",
+    "Give three questions a student might ask about this, with answers:\n\n{span}",
+    "Translate this into plain English for a non-programmer:\n\n{span}",
+)
+
+
+def chat_prompts(files: list[Path], tok: Tokenizer, n: int, length: int,
+                 rng: random.Random) -> torch.Tensor:  # fmt: skip
+    """n prompts [n, length] int64 in the target's chat template: a user message (a task of
+    CHAT_TASKS about a random corpus span) and the assistant header. The span is cut at a token
+    so that every prompt has exactly ``length`` tokens (the generator needs equal lengths)."""
+    texts = [read_text(f) for f in files]
+    weights = [len(t) for t in texts]
+    # The template's tokens after the user's content: those after the first prefix that
+    # decodes to a text holding the whole probe content.
+    probe = tok.encode_chat([{"role": "user", "content": "Zqx"}])
+    tail = len(probe) - next(i for i in range(len(probe)) if "Zqx" in tok.decode(probe[:i]))
+    prompts = []
+    while len(prompts) < n:
+        text = rng.choices(texts, weights)[0]
+        start = text.find("\n", rng.randrange(len(text))) + 1
+        span = text[start : start + max(SPAN_CHARS, CHARS_PER_TOKEN * length)]
+        task = rng.choice(CHAT_TASKS).format(span=span)
+        ids = tok.encode_chat([{"role": "user", "content": task}])
+        if len(ids) >= length:
+            prompts.append(ids[: length - tail] + ids[len(ids) - tail :])
+    return torch.tensor(prompts, dtype=torch.int64)
+
 
 @dataclass
 class HeadData:
