@@ -190,3 +190,22 @@ def test_trained_head_drafts_are_accepted(stories_dir: Path, stories_trained_hea
         "Once upon a time", 48, method="rheo", temperature=1.0, seed=0, tree="fixed"
     )
     assert gen.mean_accept_length > 1.5
+
+
+def test_chat_prompts_are_the_template_cut_to_equal_length() -> None:
+    import random
+
+    from rheo_engine.io.tokenizer import Tokenizer
+    from rheo_engine.train.head_data import CHAT_TASKS, chat_prompts, corpus_files
+
+    tok = Tokenizer.from_dir(DEFAULT_PAIR / "target")
+    prompts = chat_prompts(corpus_files("stdlib"), tok, 6, 48, random.Random(0))
+    assert prompts.shape == (6, 48)
+    before, after = tok.render_chat([{"role": "user", "content": "Zqx"}]).split("Zqx")
+    tasks = {t.split("{span}")[0].strip() for t in CHAT_TASKS}
+    for row in prompts.tolist():
+        text = tok.decode(row).strip()
+        assert text.startswith(before.strip()) and text.endswith(after.rstrip()), text
+        assert any(before.strip() + " " + task in " ".join(text.split()) for task in tasks), text
+    with pytest.raises(ValueError, match="--chat writes tasks about corpus spans"):
+        main(["--target", str(DEFAULT_PAIR / "target"), "--out", "/nonexistent/x", "--chat"])
