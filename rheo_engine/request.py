@@ -33,6 +33,8 @@ from rheo_engine.tree_policy import (
     FixedTree,
     TreePolicy,
     TreeUsage,
+    cached_profile,
+    keep_profile,
     measure_profile,
     profile_key,
     topk_choices,
@@ -472,13 +474,16 @@ class Request:
                     "omit cost_profile= (or delete the file) to measure here, or pass a match"
                 )
         else:
-            profile = engine.cost_profiles.get(key)
+            profile = engine.cost_profiles.get(key) or cached_profile(key)
         if profile is None:
             profile = measure(key)
             if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
                 engine.cost_profiles[key] = profile  # covers every tree: reuse it
+                keep_profile(profile)  # and in the next process on this machine
             if isinstance(self.cost_profile, (str, Path)):
                 profile.save(self.cost_profile)
+        elif not isinstance(self.cost_profile, CostProfile):
+            engine.cost_profiles.setdefault(key, profile)
         return AutoTree(cfg, profile)
 
     def _measure(self, runner, drafter, root, cache: KVCache, key: str) -> CostProfile:

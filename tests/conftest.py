@@ -22,6 +22,11 @@ WHERE = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Measured cost profiles persist per machine (tree_policy.profile_cache_dir): the session
+    # keeps its own, so no test reads a profile left by the user's runs or an earlier session.
+    import tempfile
+
+    os.environ["RHEO_CACHE_DIR"] = tempfile.mkdtemp(prefix="rheo-test-cache-")
     value = os.environ.get("RHEO_SHARED")
     if value is not None and not value.strip():
         raise pytest.UsageError(

@@ -3,6 +3,8 @@ engine. Losslessness of a history-dependent tree is proven in test_lossless.py (
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -175,6 +177,33 @@ def test_auto_tree_with_a_saved_profile_reproduces_a_seed(tiny, tmp_path):
     again = tiny.generate(PROMPT, 24, temperature=1.0, seed=7, cost_profile=path)
     assert again.token_ids == first.token_ids
     assert again.trees.shapes == first.trees.shapes
+
+
+def test_measured_profile_is_kept_per_machine_and_reused_by_a_new_engine(
+    tiny, tmp_path, monkeypatch
+):
+    """A seeded auto-tree run reproduces in a fresh engine (a new process on this machine):
+    the profile measured by the first is kept on disk and read by the second, so the trees and
+    the coins are the same. RHEO_CACHE_DIR=off keeps profiles in memory only."""
+    from rheo_engine.engine import Engine
+
+    SMALL = dict(topk=4, depth=3, total_tokens=8)  # a tree the tiny target's context measures
+
+    def new_engine() -> Engine:  # what a new process would hold: no profile in memory
+        return Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    measured = new_engine()
+    first = measured.generate(PROMPT, 24, temperature=1.0, seed=11, **SMALL)
+    kept = list((tmp_path / "cache" / "profiles").glob("*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["key"] in measured.cost_profiles
+    fresh = new_engine()
+    again = fresh.generate(PROMPT, 24, temperature=1.0, seed=11, **SMALL)
+    assert again.token_ids == first.token_ids and again.trees.shapes == first.trees.shapes
+    assert fresh.cost_profiles == measured.cost_profiles  # read, not measured again
+    monkeypatch.setenv("RHEO_CACHE_DIR", "off")
+    new_engine().generate(PROMPT, 4, temperature=0.0, seed=11, **SMALL)
+    assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
 
 
 def test_bad_tree_and_mismatched_profile(tiny, tmp_path):
