@@ -13,7 +13,7 @@ takes a plain step when no tree beats it.
 
 - Costs: a ``CostProfile`` measured once per (model, device, dtype, threads, method family) on
   the running machine (target forwards of n tree nodes, draft levels, verification), cached by
-  the engine for the process and on disk per machine (``profile_cache_dir``), savable and
+  the engine for the process and on disk per machine (rheo_engine.machine), savable and
   loadable as JSON. It is frozen while requests run, so a request's trees depend on its
   profile, its seed and its prompt only: a seeded run reproduces on the same machine with the
   same settings (and anywhere with the same saved profile).
@@ -38,10 +38,7 @@ tree after seeing this step's sampled token fails).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
-import platform
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -53,6 +50,7 @@ import torch
 
 from rheo_engine.config import TreeConfig
 from rheo_engine.loop import fit_tree
+from rheo_engine.machine import kept_file, write_kept
 from rheo_engine.verify import Outcome
 
 # Tree sizes the cost model considers (clipped to total_tokens) and where it times forwards.
@@ -174,51 +172,13 @@ class CostProfile:
             ) from None
 
 
-# --- measured profiles kept between processes --------------------------------------------------
-
-
-def profile_cache_dir() -> Path | None:
-    """Where measured profiles persist: $RHEO_CACHE_DIR/profiles, else
-    $XDG_CACHE_HOME/rheo-engine/profiles (~/.cache/...); RHEO_CACHE_DIR=off keeps them in the
-    process only. As autotuners keep their choices, so that a seeded run reproduces in the next
-    process on the same machine with the same settings (the trees, and so the coins, depend on
-    the profile)."""
-    root = os.environ.get("RHEO_CACHE_DIR")
-    if root == "off":
-        return None
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rheo-engine")
-    return Path(root) / "profiles"
-
-
-def machine_id() -> str:
-    """The machine a profile was measured on: CPU model, its vector extensions, torch."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{model} [{' '.join(isa)}] torch {torch.__version__}"
-
-
-def _cache_file(key: str) -> Path | None:
-    root = profile_cache_dir()
-    if root is None:
-        return None
-    digest = hashlib.sha256(f"{key}\n{machine_id()}".encode()).hexdigest()[:20]
-    return root / f"{digest}.json"
+# --- measured profiles kept between processes (rheo_engine.machine) ------------------------------
 
 
 def cached_profile(key: str) -> CostProfile | None:
     """The profile measured for ``key`` on this machine by an earlier process, if kept; a file
     that does not read (or holds another key) is measured again and overwritten."""
-    path = _cache_file(key)
+    path = kept_file("profiles", key)
     if path is None or not path.is_file():
         return None
     try:
@@ -229,17 +189,8 @@ def cached_profile(key: str) -> CostProfile | None:
 
 
 def keep_profile(profile: CostProfile) -> None:
-    """Write ``profile`` to the cache (atomically); a cache that cannot be written is skipped."""
-    path = _cache_file(profile.key)
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        profile.save(tmp)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    """Keep ``profile`` for later processes on this machine (machine.kept_file)."""
+    write_kept(kept_file("profiles", profile.key), dataclasses.asdict(profile))
 
 
 def _extrapolated(table: dict[int, float], n: int) -> float:

@@ -186,28 +186,56 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-needs_avx2 = pytest.mark.skipif(
-    not linear_mod._AVX2_CPU, reason="the kernel is picked only on AVX2 CPUs (where measured)"
-)
+@pytest.fixture
+def fresh_choices(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """models.linear with no choice made yet, keeping them under tmp_path (as a new user)."""
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RHEO_LINEAR", raising=False)
+    monkeypatch.setattr(linear_mod, "_CHOICES", linear_mod._Choices())
+    return tmp_path / "linear"
 
 
-@needs_avx2
-def test_linear_picks_the_kernel_where_measured_faster(kernel_calls):
+def test_linear_runs_the_kernel_measured_faster_and_keeps_the_choice(
+    fresh_choices, kernel_calls, monkeypatch
+):
+    """Each (dtype, shape, rows rounded up to a power of two, threads) is timed once; the
+    faster runs, and a new process (a fresh _Choices) reads the choice instead of timing."""
+    timed: list[int] = []
+
+    def fake_times(n: int, w: torch.Tensor) -> tuple[float, float]:  # kernel faster below 8
+        timed.append(n)
+        return (1.0, 0.5) if n < 8 else (1.0, 2.0)
+
+    monkeypatch.setattr(linear_mod, "_time_both", fake_times)
     w16, w32 = torch.randn(24, 32).bfloat16(), torch.randn(24, 32)
-    for n in (1, 2, 16, 17, 100):  # bf16: every n
-        x = torch.randn(n, 32).bfloat16()
-        assert uses_skinny(x, w16)
-        check_bf16(linear(x, w16), x, w16, min_exact=0.98)
-    lo, hi = linear_mod.FP32_ROWS
-    for n, expected in [(1, False), (lo, True), (hi, True), (hi + 1, False), (64, False)]:
-        x = torch.randn(1, n, 32)  # leading dims count as rows
-        assert uses_skinny(x, w32) is expected, n
-        torch.testing.assert_close(linear(x, w32), F.linear(x, w32), rtol=1e-5, atol=1e-5)
-    assert kernel_calls == [1, 2, 16, 17, 100, lo, hi]
+    for n, expected in [(1, True), (3, True), (4, True), (5, False), (100, False), (2, True)]:
+        for x, w in ((torch.randn(n, 32).bfloat16(), w16), (torch.randn(1, n, 32), w32)):
+            assert uses_skinny(x, w) is expected, (n, x.dtype)
+            if x.dtype == torch.float32:
+                torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert timed == [1, 1, 4, 4, 8, 8, 128, 128, 2, 2]  # n = 3 shares n = 4's measurement
+    assert kernel_calls == [1, 3, 4, 2]  # the fp32 calls through linear() that took the kernel
+    monkeypatch.setattr(linear_mod, "_CHOICES", linear_mod._Choices())
+    monkeypatch.setattr(linear_mod, "_time_both", lambda n, w: pytest.fail("timed again"))
+    assert uses_skinny(torch.randn(3, 32).bfloat16(), w16)  # n = 4's kept choice
+    assert not uses_skinny(torch.randn(7, 32), w32)  # n = 8's
+    assert len(list(fresh_choices.glob("*.json"))) == 1
 
 
-@needs_avx2
-def test_linear_keeps_torch_elsewhere(kernel_calls):
+def test_rheo_linear_forces_one_matmul(fresh_choices, monkeypatch):
+    w, x = torch.randn(24, 32), torch.randn(4, 32)
+    monkeypatch.setattr(linear_mod, "_time_both", lambda n, w: pytest.fail("forced: no timing"))
+    monkeypatch.setenv("RHEO_LINEAR", "skinny")
+    assert uses_skinny(x, w)
+    monkeypatch.setenv("RHEO_LINEAR", "torch")
+    assert not uses_skinny(x, w)
+    monkeypatch.setenv("RHEO_LINEAR", "fast")
+    with pytest.raises(ValueError, match=r"RHEO_LINEAR='fast' is not one of \('torch', 'skinny'\)"):
+        uses_skinny(x, w)
+
+
+def test_linear_keeps_torch_elsewhere(fresh_choices, kernel_calls, monkeypatch):
+    monkeypatch.setenv("RHEO_LINEAR", "skinny")  # even where the kernel would be forced
     w, x = torch.randn(24, 32), torch.randn(4, 32)
     assert not uses_skinny(x.half(), w.half())  # fp16
     assert not uses_skinny(x.bfloat16(), w)  # mixed dtypes: F.linear raises its own error
@@ -222,12 +250,14 @@ def test_linear_keeps_torch_elsewhere(kernel_calls):
     assert kernel_calls == []
 
 
-@needs_avx2
-def test_default_target_runs_every_matmul_through_the_kernel(kernel_calls):
+def test_default_target_runs_every_matmul_through_the_kernel(
+    fresh_choices, kernel_calls, monkeypatch
+):
     if not (DEFAULT_TARGET / "config.json").is_file():
         pytest.skip(f"the default pair is not in {DEFAULT_TARGET}")
     from rheo_engine.models.llama import LlamaModel
 
+    monkeypatch.setenv("RHEO_LINEAR", "skinny")
     model = LlamaModel.from_pretrained(DEFAULT_TARGET)
     assert model.dtype == torch.bfloat16
     cache = model.new_cache(16)

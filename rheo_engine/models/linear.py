@@ -1,42 +1,114 @@
-"""The models' matmul, y = x W^T: rheo's skinny kernel where it beats ``F.linear``, else torch.
+"""The models' matmul, y = x W^T: rheo's skinny kernel where it is measured faster than
+``F.linear`` on the running CPU, else torch.
 
-On an AVX2 CPU without AVX-512, torch's bf16 linear costs n times one row, and fp32 MKL nearly
-so for 2..8 rows; ``kernels.skinny_linear`` streams W once for all n rows. Measured on an AMD
-EPYC (Zen 3, AVX2), Llama-1B and default-pair shapes, 1 and 2 threads, interleaved medians:
-    python bench/bench_skinny_linear.py                 # n = 1..32, bf16 and fp32
-    python bench/bench_skinny_linear.py --quick --dtype bfloat16 --threads 1 --rows 64,256,1024
-* bf16: the kernel wins at every n measured, 1..1024 rows (1.2-3x at n = 1, 2-6.5x at
-  n = 4..32, 5-7x from 64 on), so every bf16 linear on such a CPU takes it;
-* fp32: it wins for 2 <= n <= 16 (1.0-4.9x, but for two near-ties at n = 16 on the smallest
-  matrices, 0.94 and 0.96); at n = 1 the sign depends on the cache (0.8-2x), and from n = 32 on
-  MKL's GEMM kernels take over for small W: only 2..16 rows take it.
-Elsewhere (CUDA, fp16, autograd, an AVX-512 CPU whose oneDNN has bf16 dot products, never
-measured here) ``F.linear`` runs.
+Which is faster depends on the CPU, not on the name of its instruction set, and on the shape:
+``kernels.skinny_linear`` streams W once for all n rows; torch's bf16 linear costs up to n
+times one row on some CPUs (an AVX2 Zen 3) and is a real GEMM on others. Measured with
+``python bench/bench_skinny_linear.py --shapes smollm2``: on an AMD EPYC with AVX-512 the kernel
+took SmolLM2's layer matrices at one row in half torch's time, and torch won from about 4-16
+rows (BENCHMARKS.md). So each (dtype, W shape, rows rounded up to a power of two, threads) is
+timed once, both ways, interleaved, the first time it runs, and the faster is kept: in the
+process, and per machine on disk (rheo_engine.machine, "linear") so that later processes pick
+the same kernels (the two sum in different orders; a seeded run reproduces only with the same
+choices). ``RHEO_LINEAR=torch`` or ``=skinny`` forces one everywhere (benches, tests).
+
+Elsewhere (CUDA, fp16, autograd, non-contiguous operands) ``F.linear`` runs.
 """
 
 from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
 
 from rheo_engine import kernels
+from rheo_engine.machine import kept_file, read_kept, write_kept
 
-FP32_ROWS = (2, 16)  # inclusive range of n where the fp32 kernel beats MKL (see above)
-_AVX2_CPU = torch.backends.cpu.get_cpu_capability() == "AVX2"
+FORCE = ("torch", "skinny")
+_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # n is timed at the first of these >= n (256 above 128)
+_REPEATS = 9  # interleaved pairs per measurement, after 2 warm-up pairs
+
+
+class _Choices:
+    """{key: True when the kernel was faster}, loaded from disk once, written after a change."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, bool] | None = None
+        self.lock = threading.Lock()
+
+    def file(self):
+        return kept_file("linear", "choices")
+
+    def get(self, key: str) -> bool | None:
+        if self.table is None:
+            kept = read_kept(self.file())
+            self.table = {k: bool(v) for k, v in kept.items()} if isinstance(kept, dict) else {}
+        return self.table.get(key)
+
+    def put(self, key: str, skinny: bool) -> None:
+        with self.lock:
+            assert self.table is not None
+            self.table[key] = skinny
+            kept = read_kept(self.file())  # another process may have added shapes meanwhile
+            merged = (kept if isinstance(kept, dict) else {}) | self.table
+            write_kept(self.file(), merged)
+
+
+_CHOICES = _Choices()
+
+
+def forced() -> str | None:
+    """RHEO_LINEAR's value ("torch", "skinny"), or None to measure; anything else is an error."""
+    value = os.environ.get("RHEO_LINEAR") or None
+    if value is not None and value not in FORCE:
+        raise ValueError(f"RHEO_LINEAR={value!r} is not one of {FORCE}; unset it to measure")
+    return value
+
+
+def _time_both(n: int, w: torch.Tensor) -> tuple[float, float]:
+    """Median seconds of F.linear and of the kernel over an [n, in] input, interleaved."""
+    x = torch.randn(n, w.shape[1]).to(w.dtype)
+    torch_s, skinny_s = [], []
+    for i in range(2 + _REPEATS):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        t1 = time.perf_counter()
+        kernels.skinny_linear(x, w)
+        t2 = time.perf_counter()
+        if i >= 2:
+            torch_s.append(t1 - t0)
+            skinny_s.append(t2 - t1)
+    return statistics.median(torch_s), statistics.median(skinny_s)
 
 
 def uses_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when ``linear(x, w)`` runs ``kernels.skinny_linear`` rather than ``F.linear``."""
-    if not _AVX2_CPU or x.device.type != "cpu" or w.device.type != "cpu":
+    if x.device.type != "cpu" or w.device.type != "cpu" or w.dim() != 2:
         return False
-    if x.dtype != w.dtype or not (w.is_contiguous() and x.is_contiguous()):
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if not (w.is_contiguous() and x.is_contiguous()):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # the kernel has no backward
-    if x.dtype == torch.bfloat16:
-        return True
+    force = forced()
+    if force is not None:
+        return force == "skinny"
     n = x.numel() // max(x.shape[-1], 1)  # rows: the leading dims flattened
-    return x.dtype == torch.float32 and FP32_ROWS[0] <= n <= FP32_ROWS[1]
+    rows = next((r for r in _ROWS if n <= r), 256)
+    dtype, threads = str(x.dtype).removeprefix("torch."), torch.get_num_threads()
+    key = f"{dtype} {w.shape[0]}x{w.shape[1]} n{rows} threads {threads}"
+    choice = _CHOICES.get(key)
+    if choice is None:
+        with torch.no_grad():
+            torch_s, skinny_s = _time_both(rows, w)
+        choice = skinny_s < torch_s
+        _CHOICES.put(key, choice)
+    return choice
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

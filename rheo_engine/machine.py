@@ -1,0 +1,93 @@
+"""The machine the engine runs on: who it is, and where choices measured on it are kept.
+
+Two things are measured on the running machine and then kept per user, as autotuners keep
+theirs: the auto tree's cost profiles (tree_policy) and which matmul kernel each shape runs
+(models/linear.py). Keeping them makes a later process decide exactly as the first did, so a
+seeded run reproduces on the same machine with the same settings.
+
+- ``cache_dir(kind)``: $RHEO_CACHE_DIR/kind, else $XDG_CACHE_HOME/rheo-engine/kind
+  (~/.cache/...); ``RHEO_CACHE_DIR=off`` keeps everything in the process only.
+- ``machine_id()``: CPU model, the vector extensions that change which code runs (AVX2,
+  AVX-512, AVX-512-BF16, AMX), and the torch version.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def cache_dir(kind: str) -> Path | None:
+    """The folder of kept ``kind`` choices ("profiles", "linear"), or None when off."""
+    root = os.environ.get("RHEO_CACHE_DIR")
+    if root == "off":
+        return None
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rheo-engine")
+    return Path(root) / kind
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; (platform's name, no flags) elsewhere."""
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return model, flags
+
+
+def isa_line() -> str:
+    """e.g. "AMD EPYC [avx2 avx512f avx512_bf16]": what to print beside every CPU figure."""
+    model, flags = cpu_model_and_flags()
+    return f"{model} [{' '.join(f for f in ISA_FLAGS if f in flags)}]"
+
+
+def machine_id() -> str:
+    return f"{isa_line()} torch {torch.__version__}"
+
+
+def kept_file(kind: str, key: str) -> Path | None:
+    """Where the choice of ``kind`` for ``key`` on this machine is kept (None: off)."""
+    root = cache_dir(kind)
+    if root is None:
+        return None
+    return root / (hashlib.sha256(f"{key}\n{machine_id()}".encode()).hexdigest()[:20] + ".json")
+
+
+def read_kept(path: Path | None) -> Any:
+    """The JSON kept at ``path``, or None when absent or unreadable (it is measured again)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_kept(path: Path | None, value: Any) -> None:
+    """Write ``value`` as JSON atomically; a cache that cannot be written is skipped."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
