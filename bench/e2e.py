@@ -5,8 +5,8 @@
     python bench/e2e.py --sets mt_bench gsm8k --limit 10 --out e2e.json --md e2e.md
     python bench/e2e.py --data DIR --sets humaneval      # sets in DIR/<set>/question.jsonl
 
-The question sets are read from --data (EAGLE's layout), by default ../shared/data/eagle_bench
-when it sits beside the repo; every bad input is one line on stderr and exit status 2.
+The question sets are read from --data (EAGLE's layout), by default the six sets shipped in
+bench/data/eagle_bench; every bad input is one line on stderr and exit status 2.
 Per seed, every question of every set runs all methods back to back in a rotating order, so
 machine drift hits all methods alike; speedup is tokens/s over ar's in the same run and seed.
 Prompts are the raw first turn (our pairs are base models; --chat for a chat model), cut on the

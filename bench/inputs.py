@@ -3,7 +3,7 @@
 Every bad input raises BadInput with one line naming the value, the rule and the fix; ``cli``
 prints that line on stderr and exits 2, so no bench script ends in a traceback for bad input.
 Question sets use EAGLE's layout, DIR/<set>/question.jsonl (one JSON object per line whose
-``turns`` list starts with the question), as in ../shared/data/eagle_bench.
+``turns`` list starts with the question), as in bench/data/eagle_bench (shipped with the repo).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rheo_engine.pairs import PAIRS as LIBRARY_PAIRS
 from rheo_engine.pairs import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "eagle_bench"
+DEFAULT_DATA = ROOT / "bench" / "data" / "eagle_bench"  # bench/data/README.md: provenance
 SETS: tuple[str, ...] = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 PAIRS: dict[str, tuple[Path, Path]] = {
     "default": (ROOT / "weights" / "default" / "target", ROOT / "weights" / "default" / "draft"),
@@ -189,18 +189,19 @@ def load_engine(target: Path, draft: Path, device: str, dtype: str | None) -> En
 
 
 def data_dir(data: str | None) -> Path:
-    """--data, else ../shared/data/eagle_bench when it sits beside the repo."""
+    """--data, else the sets shipped in bench/data/eagle_bench."""
     if data is None:
         if DEFAULT_DATA.is_dir():
             return DEFAULT_DATA
         raise BadInput(
-            f"no question sets: {DEFAULT_DATA} is not there (a fresh clone has no ../shared); "
-            "pass --data DIR with DIR/<set>/question.jsonl (EAGLE's layout), or --prompts stories"
+            f"no question sets: {DEFAULT_DATA} is missing from this checkout; restore it "
+            "(git checkout bench/data) or pass --data DIR with DIR/<set>/question.jsonl (EAGLE's "
+            "layout), or --prompts stories"
         )
     if not Path(data).is_dir():
         raise BadInput(
             f"--data {data} is not a directory; pass the folder that holds "
-            "<set>/question.jsonl (EAGLE's layout, e.g. ../shared/data/eagle_bench)"
+            "<set>/question.jsonl (EAGLE's layout, e.g. bench/data/eagle_bench)"
         )
     return Path(data)
 

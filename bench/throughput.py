@@ -8,7 +8,7 @@ batching: rheo_engine.batch); and each request's latency (submit to its last tok
 
 A round runs every (method, concurrency) once, in an order rotated by one each round (drift and
 warm caches hit all alike); a run submits ``c`` requests at once and waits for all. Prompts
-come from the question sets when ../shared/data is there (HumanEval and MT-bench alternating),
+come from the question sets (bench/data, or --data; HumanEval and MT-bench alternating),
 else built-in ones, all cut to the same token count (``--prompt-tokens``, prefill included in
 the times); ``--max-new-tokens`` each, EOS ignored, so every request does the same work.
 Throughput is a run's tokens / its wall time; the table gives the median over rounds, and the
@@ -50,7 +50,7 @@ FALLBACK = [
 
 def prompts(n: int, data: str | None) -> list[str]:
     """``n`` prompts: HumanEval's and MT-bench's first questions alternating when the question
-    sets are there (--data, or ../shared beside the repo), else the built-in ones."""
+    sets are there (--data, or the ones shipped in bench/data), else the built-in ones."""
     if data is None and not DEFAULT_DATA.is_dir():
         texts = FALLBACK
     else:

@@ -123,8 +123,8 @@ def test_e2e_default_pair_on_a_tiny_data_dir(context, data, tmp_path, capsys):
     assert "| method | humaneval τ | sum τ | avg τ | tokens | tokens/s | speedup |" in text
 
 
-def test_e2e_without_shared_data_says_to_pass_data(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(inputs, "DEFAULT_DATA", tmp_path / "shared" / "data" / "eagle_bench")
+def test_e2e_without_the_shipped_sets_says_to_pass_data(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(inputs, "DEFAULT_DATA", tmp_path / "bench" / "data" / "eagle_bench")
     with pytest.raises(inputs.BadInput, match="pass --data DIR"):
         e2e.main(["--pair", "default", "--sets", "humaneval", "--quiet"])
     assert "bench=e2e" not in capsys.readouterr().out

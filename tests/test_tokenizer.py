@@ -3,14 +3,15 @@ in every clone): round trips on code, unicode and whitespace runs, specials, the
 ids, streaming detokenization against full decoding, bad ids and files.
 
 With ../shared (RHEO_SHARED), also the fixtures' goldens (shared/fixtures/llama2c/README.md:
-tok512, Llama-2 and Llama-3's tiktoken file) and EAGLE's exact chat strings
-(shared/data/eagle_bench/prompts.json); those three tests skip naming the missing file.
+tok512, Llama-2 and Llama-3's tiktoken file); those tests skip naming the missing file. EAGLE's
+exact chat strings come from bench/data/eagle_bench/prompts.json, shipped with the repo.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import sentencepiece
@@ -73,7 +74,8 @@ def llama3() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def prompts() -> dict:
-    return json.loads(shared_file("data/eagle_bench/prompts.json").read_text())
+    path = Path(__file__).resolve().parents[1] / "bench" / "data" / "eagle_bench" / "prompts.json"
+    return json.loads(path.read_text())
 
 
 # ---- checks shared by the default tokenizer and the fixtures ----------------------------------
