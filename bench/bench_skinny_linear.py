@@ -8,6 +8,7 @@ down) and the default pair's target (weights/default/target/config.json), n rows
 
     python bench/bench_skinny_linear.py [--quick] [--rows 1,2,4,8,16,32] [--threads 1,2]
                                         [--dtype bfloat16,float32] [--shapes llama1b,default]
+    python bench/bench_skinny_linear.py --shapes smollm2 --dtype bfloat16 --threads 1
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import commit_id, hardware
+from common import commit_id
 from inputs import ArgumentParser
 
 from rheo_engine import kernels
+from rheo_engine.machine import isa_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -33,6 +35,12 @@ LLAMA_1B = [("qkv", (4096, 2048)), ("o", (2048, 2048)), ("gate_up", (16384, 2048
 # Read before each timed call: 2 MiB evicts the L2 of each core (512 KiB on Zen 3) but leaves most
 # of L3, as in a model whose weights share L3 between steps. Read, not written: no dirty lines.
 FLUSH = torch.zeros(2 * 2**20 // 4)
+
+
+# SmolLM2-135M (the smollm2 pair's target): hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64.
+SMOLLM2 = [("smollm2 qkv", (960, 576)), ("smollm2 o", (576, 576)),
+           ("smollm2 gate_up", (3072, 576)), ("smollm2 down", (576, 1536)),
+           ("smollm2 lm_head", (49152, 576))]  # fmt: skip
 
 
 def default_pair_shapes() -> list[tuple[str, tuple[int, int]]]:
@@ -86,7 +94,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32", help="n values, comma-separated")
     parser.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
     parser.add_argument("--dtype", default="bfloat16,float32", help="bfloat16 and/or float32")
-    parser.add_argument("--shapes", default="llama1b,default", help="llama1b and/or default")
+    parser.add_argument("--shapes", default="llama1b,default",
+                        help="llama1b, default and/or smollm2")  # fmt: skip
     args = parser.parse_args()
     try:
         rows = [int(v) for v in args.rows.split(",")]
@@ -100,12 +109,12 @@ def main() -> None:
         parser.error(f"--dtype takes {sorted(DTYPES)}, got {args.dtype!r}")
     shapes = []
     for name in args.shapes.split(","):
-        if name not in ("llama1b", "default"):
-            parser.error(f"--shapes takes llama1b and/or default, got {name!r}")
-        shapes += LLAMA_1B if name == "llama1b" else default_pair_shapes()
+        if name not in ("llama1b", "default", "smollm2"):
+            parser.error(f"--shapes takes llama1b, default and/or smollm2, got {name!r}")
+        shapes += {"llama1b": LLAMA_1B, "smollm2": SMOLLM2}.get(name) or default_pair_shapes()
     budget_s = 0.1 if args.quick else 1.0
     print(
-        f"# skinny_linear bench: cpu={hardware('cpu')} capability="
+        f"# skinny_linear bench: cpu={isa_line()} capability="
         f"{torch.backends.cpu.get_cpu_capability()} torch={torch.__version__} "
         f"build={kernels.build_info()} commit={commit_id()}; L2 flushed before each call"
     )
