@@ -52,7 +52,9 @@ def _extension() -> tuple[object, str]:
     with_cuda, why = _want_cuda()
     sources = _rel("bindings/*.cpp") + _rel("csrc/cpu/*.cpp")
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "bindings")]
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-psabi"]
+    # -ffp-contract=off: no a * b + c fused into an FMA in one ISA copy of a loop and not in
+    # another, so every dispatch level gives the same bits (csrc/cpu/cpu_math.h).
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-psabi", "-ffp-contract=off"]
     info = "cpu"
     if with_cuda:
         info = f"cpu + cuda {_cuda_archs()}"

@@ -2,10 +2,18 @@
 // rheo_engine/kernels.py is the only Python file that imports it.
 #include <torch/extension.h>
 
+#include <string>
+
 #include "bindings.h"
 #include "rheo/common.h"
 
 namespace {
+
+std::string cpu_isa() { return rheo::cpu::isa_name(rheo::cpu::active_isa()); }
+
+std::string set_cpu_isa(const std::string& level) {
+  return rheo::cpu::isa_name(rheo::cpu::set_active_isa(rheo::cpu::parse_isa(level, "level")));
+}
 
 bool has_cuda() {
 #ifdef RHEO_WITH_CUDA
@@ -29,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace b = rheo::bind;
   m.def("has_cuda", &has_cuda, "True when the CUDA kernels were compiled in.");
   m.def("build_info", &build_info, "What was built, e.g. 'cpu + cuda sm_90'.");
+  // CPU dispatch level, read here so that a bad RHEO_CPU_ISA fails the import and not a kernel
+  rheo::cpu::active_isa();
+  m.def("cpu_isa", &cpu_isa, "The CPU kernels' dispatch level: 'default', 'avx2' or 'avx512'.");
+  m.def("set_cpu_isa", &set_cpu_isa, "Set that level, lowered to what the CPU runs (tests).");
   // the status word's bits (common.h StatusBit), so that Python reads them from one place
   m.attr("STATUS_NON_FINITE_DRAFT") = static_cast<int>(rheo::kStatusNonFiniteDraft);
   m.attr("STATUS_BAD_FORCED") = static_cast<int>(rheo::kStatusBadForced);

@@ -38,6 +38,21 @@ def build_info() -> str:
     return str(_C.build_info())
 
 
+CpuIsa = Literal["default", "avx2", "avx512"]
+
+
+def cpu_isa() -> CpuIsa:
+    """The level the CPU kernels dispatch to: the CPU's best, or ``RHEO_CPU_ISA`` (read once at
+    import) lowered to it. Every level gives the same bits; only the speed differs."""
+    return _C.cpu_isa()
+
+
+def set_cpu_isa(level: CpuIsa) -> CpuIsa:
+    """Dispatch the CPU kernels to ``level``, lowered to what the CPU runs (for tests); returns
+    the level now active. ``ValueError`` for an unknown level."""
+    return _C.set_cpu_isa(level)
+
+
 def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 

@@ -2,15 +2,27 @@
 // GCC/Clang vector extension): fp16/bf16 <-> float conversions, scalar and 16-lane, and the two
 // branch-free exponentials (float for the fp32/bf16/fp16 paths, double for the exact fp64 path).
 //
-// The build passes no -march: the hot loops that use these helpers are marked RHEO_SIMD_CLONES
-// (AVX-512, AVX2 and the baseline, picked at load time as torch's own kernels are) and the helpers
-// are always_inline so each clone gets its own vector code. The helpers are written on vector
-// types because GCC will not if-convert scalar selects around a trapping op (-ftrapping-math).
+// The build passes no -march: each hot loop that uses these helpers is one always_inline body
+// compiled three times by RHEO_ISA_COPIES (AVX-512, AVX2, baseline), and a dispatcher runs the copy
+// of cpu::active_isa() (rheo/common.h: the CPU's best, or RHEO_CPU_ISA). The helpers are
+// always_inline so each copy gets its own vector code. They are written on vector types because
+// GCC will not if-convert scalar selects around a trapping op (-ftrapping-math).
+//
+// Every copy gives the same bits, so results do not depend on the CPU. The sources build with
+// -ffp-contract=off (setup.py, CMakeLists.txt): GCC's default fuses a * b + c into one FMA where
+// the target has FMA (the AVX-512 copy), and GCC 12 did so in the 8-lane body and the scalar tail
+// of exp_nonpositive's loop but not in its 4-lane vector epilogue, so tied logits got p one ulp
+// apart. Uncontracted, every lane and the tail do the same IEEE operations in the same order
+// (and nothing reassociates: never build with -ffast-math).
+// std::exp in scalar code is glibc's, which picks its own FMA variant by CPU: the same at every
+// level on one machine and on any two CPUs with FMA, not always between a CPU with and one without.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "rheo/common.h"
 
 // The 16-lane helpers pass vectors by value but are always inlined, so no call ever uses the
 // vector ABI that GCC warns about when AVX-512 is not enabled for the whole file.
@@ -20,12 +32,28 @@
 namespace rheo {
 namespace cpu {
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#define RHEO_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define RHEO_SIMD_CLONES
-#endif
 #define RHEO_ALWAYS_INLINE __attribute__((always_inline)) inline
+
+// RHEO_ISA_COPIES(ret, name, body, (params), (args)) defines `ret name(params)`, which runs
+// `body(args)` (an always_inline function) in its copy for the active level: name_avx512,
+// name_avx2 or name_default. Explicit copies and not GCC's target_clones, whose ifunc picks a
+// clone once at load time: RHEO_CPU_ISA and the tests could not reach the others.
+#if defined(__GNUC__) && defined(__x86_64__)
+#define RHEO_ISA_COPIES(ret, name, body, params, args)                                \
+  __attribute__((target("avx512f"))) ret name##_avx512 params { return body args; } \
+  __attribute__((target("avx2"))) ret name##_avx2 params { return body args; }      \
+  ret name##_default params { return body args; }                                   \
+  ret name params {                                                                 \
+    switch (::rheo::cpu::active_isa()) {                                            \
+      case ::rheo::cpu::Isa::kAvx512: return name##_avx512 args;                    \
+      case ::rheo::cpu::Isa::kAvx2: return name##_avx2 args;                        \
+      default: return name##_default args;                                          \
+    }                                                                               \
+  }
+#else
+#define RHEO_ISA_COPIES(ret, name, body, params, args) \
+  ret name params { return body args; }
+#endif
 
 // 16 lanes: one AVX-512 register, two AVX2 or four SSE registers.
 constexpr int kLanes = 16;

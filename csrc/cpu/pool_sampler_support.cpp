@@ -119,16 +119,16 @@ RHEO_ALWAYS_INLINE double scan_row(const typename Row::Elem* row, int64_t V, flo
   return sum;
 }
 
-// One compiled clone set per element type (target_clones does not apply to templates).
+// One set of ISA copies per element type.
 #define RHEO_POOL_PASSES(name, Row)                                                            \
-  RHEO_SIMD_CLONES int64_t bound_##name(const Row::Elem* x, int64_t V, int64_t Se,            \
-                                        int32_t* max_key, int32_t* chunk_max) {               \
-    return bound_row<Row>(x, V, Se, max_key, chunk_max);                                       \
-  }                                                                                            \
-  RHEO_SIMD_CLONES double scan_##name(const Row::Elem* x, int64_t V, float M, int32_t floor_key, \
-                                      std::vector<Entry<float>>& cand) {                       \
-    return scan_row<Row>(x, V, M, floor_key, cand);                                            \
-  }
+  RHEO_ISA_COPIES(int64_t, bound_##name, bound_row<Row>,                                       \
+                  (const Row::Elem* x, int64_t V, int64_t Se, int32_t* max_key,                \
+                   int32_t* chunk_max),                                                        \
+                  (x, V, Se, max_key, chunk_max))                                              \
+  RHEO_ISA_COPIES(double, scan_##name, scan_row<Row>,                                          \
+                  (const Row::Elem* x, int64_t V, float M, int32_t floor_key,                  \
+                   std::vector<Entry<float>>& cand),                                           \
+                  (x, V, M, floor_key, cand))
 RHEO_POOL_PASSES(f32, cpu::F32Row)
 RHEO_POOL_PASSES(bf16, cpu::Bf16Row)
 RHEO_POOL_PASSES(f16, cpu::F16Row)

@@ -11,18 +11,20 @@
 // of x rows pass over it, so W comes from memory once per sweep (once for n <= 16), and the
 // sweep's x (128 KiB at in = 2048) stays in L2. Each output is one dot product summed in the same
 // order whatever block, group or thread computes it, so a split of [o_begin, o_end) changes no bit.
-// The AVX2 + FMA path is picked at run time (the build passes no -march); the scalar path below
-// is the same arithmetic, one term at a time, for any other CPU.
+// The AVX2 + FMA path runs where the dispatch level (rheo/common.h cpu::active_isa) is AVX2 or
+// above and the CPU has FMA (the build passes no -march); the portable path below does the same
+// arithmetic one lane at a time, so the two give the same bits (RHEO_CPU_ISA=default picks it).
 #include "rheo/skinny_linear.h"
 
 #include "cpu_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-// -DRHEO_NO_AVX2_PATH builds only the portable path (to test it on an AVX2 machine).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(RHEO_NO_AVX2_PATH)
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define RHEO_HAVE_AVX2_PATH 1
 #endif
@@ -38,7 +40,32 @@ inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }  // nearest even, as torch
 
-// --- portable path: one dot product per (row of x, row of W), in the order of the math ---
+// --- portable path: one dot product per (row of x, row of W), as the AVX2 path computes it ---
+
+// The column of a 16-column step that lane j of half h reads (load8 below): bf16 halves take the
+// even and the odd columns, float32 halves the first and the last 8.
+template <typename Elem>
+constexpr int64_t lane_column(int h, int j) {
+  return std::is_same_v<Elem, uint16_t> ? 2 * j + h : 8 * h + j;
+}
+
+// <w_row, x_row> [in] with the AVX2 path's roundings: 8 lanes of fused multiply-adds over the
+// first in16 columns, folded as horizontal_sum folds them, then the last in % 16 one by one.
+template <typename Elem>
+float dot(const Elem* w_row, const Elem* x_row, int64_t in) {
+  float lane[8] = {};
+  const int64_t in16 = in - in % 16;
+  for (int64_t k = 0; k < in16; k += 16)
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t c = k + lane_column<Elem>(h, j);
+        lane[j] = std::fma(to_float(w_row[c]), to_float(x_row[c]), lane[j]);
+      }
+  float sum =
+      ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+  for (int64_t k = in16; k < in; ++k) sum += to_float(w_row[k]) * to_float(x_row[k]);
+  return sum;
+}
 
 template <typename Elem>
 void skinny_linear_scalar(const SkinnyLinearArgs& a) {
@@ -47,12 +74,8 @@ void skinny_linear_scalar(const SkinnyLinearArgs& a) {
   Elem* y = static_cast<Elem*>(a.y);
   for (int64_t o = a.o_begin; o < a.o_end; ++o) {
     const Elem* w_row = w + o * a.in;  // [in]
-    for (int64_t i = 0; i < a.n; ++i) {
-      const Elem* x_row = x + i * a.x_stride;  // [in]
-      float sum = 0.0f;
-      for (int64_t k = 0; k < a.in; ++k) sum += to_float(x_row[k]) * to_float(w_row[k]);
-      store(y + i * a.y_stride + o, sum);
-    }
+    for (int64_t i = 0; i < a.n; ++i)
+      store(y + i * a.y_stride + o, dot(w_row, x + i * a.x_stride, a.in));  // x row [in]
   }
 }
 
@@ -76,8 +99,7 @@ constexpr int64_t kSweepRows = 16;
 // Half h of the 16 elements at p as 8 floats. bf16: one 32-byte load read as 8 pairs of bf16;
 // h = 0 gives the even elements (the low halves shifted up), h = 1 the odd ones (the high halves
 // masked): exact, one integer op per 8 elements. float32: elements 8h..8h+7. x is stored in the
-// same order (pack_x), so lane j of x meets lane j of W: a dot product sums the same terms as
-// the scalar path, in another order.
+// same order (pack_x), so lane j of x meets lane j of W; dot() above follows the same order.
 RHEO_AVX2_INLINE __m256 load8(const uint16_t* p, int h) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   if (h == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -190,16 +212,16 @@ RHEO_AVX2 void skinny_linear_avx2(const SkinnyLinearArgs& a) {
   }
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+bool avx2_path_on() {
+  static const bool has_fma = __builtin_cpu_supports("fma");
+  return has_fma && cpu::active_isa() >= cpu::Isa::kAvx2;
 }
 #endif  // RHEO_HAVE_AVX2_PATH
 
 template <typename Elem>
 void run(const SkinnyLinearArgs& a) {
 #ifdef RHEO_HAVE_AVX2_PATH
-  if (cpu_has_avx2_fma()) return skinny_linear_avx2<Elem>(a);
+  if (avx2_path_on()) return skinny_linear_avx2<Elem>(a);
 #endif
   skinny_linear_scalar<Elem>(a);
 }

@@ -59,9 +59,10 @@ void store_row(void* base, int64_t offset, const float* src, int64_t D, DType dt
 }
 
 // --- register-blocked inner loops. Eight floats per vector through the GCC/Clang vector
-// extension (two SSE registers, or one AVX register in the x86-64-v3 clone below; plain loops
-// here were vectorised across the wrong axis). The accumulators stay in registers, so each load
-// of q or v feeds several multiply-adds. Loads go through memcpy: no alignment is assumed. ---
+// extension (two SSE registers, or one AVX register in the AVX2 and AVX-512 copies of the hot
+// loops below; plain loops here were vectorised across the wrong axis). The accumulators stay in
+// registers, so each load of q or v feeds several multiply-adds. Loads go through memcpy: no
+// alignment is assumed. ---
 
 typedef float f32x8 __attribute__((vector_size(32)));
 constexpr int kQueryBlock = 16;  // queries per score block; M is padded to a multiple of it
@@ -69,20 +70,12 @@ constexpr int kDimBlock = 16;    // head-dim columns per V block; D is padded to
 constexpr int kVecs = kQueryBlock / 8;
 static_assert(kQueryBlock == kDimBlock, "qk_block and pv_block share kVecs");
 
-// The two hot loops are compiled twice on x86-64 Linux (GCC ifunc): for AVX2 + FMA machines
-// and for the baseline; the loader picks one at start-up.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define RHEO_HOT_LOOP __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define RHEO_HOT_LOOP
-#endif
-
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 // s0[i] = <q_i, k0>, s1[i] = <q_i, k1> for the kQueryBlock queries stored as columns of q_t
 // [D, ld] (one query per column, so the vector lanes run over queries, not over a reduction).
-inline void qk_block(const float* q_t, int64_t ld, const float* k0, const float* k1, int64_t D,
-                     float* s0, float* s1) {
+RHEO_ALWAYS_INLINE void qk_block(const float* q_t, int64_t ld, const float* k0, const float* k1,
+                                 int64_t D, float* s0, float* s1) {
   f32x8 acc0[kVecs] = {}, acc1[kVecs] = {};
   for (int64_t d = 0; d < D; ++d) {
     const float* q = q_t + d * ld;
@@ -100,8 +93,8 @@ inline void qk_block(const float* q_t, int64_t ld, const float* k0, const float*
 
 // out0 += sum_r w[r, 0] * v[r, :], out1 += sum_r w[r, 1] * v[r, :] over kDimBlock columns;
 // w [rows, ld_w] holds the weights of two neighbouring queries, v [rows, ld_v] the V rows.
-inline void pv_block(const float* w, int64_t ld_w, const float* v, int64_t ld_v, int64_t rows,
-                     float* out0, float* out1) {
+RHEO_ALWAYS_INLINE void pv_block(const float* w, int64_t ld_w, const float* v, int64_t ld_v,
+                                 int64_t rows, float* out0, float* out1) {
   f32x8 acc0[kVecs], acc1[kVecs];
   std::memcpy(acc0, out0, sizeof acc0);
   std::memcpy(acc1, out1, sizeof acc1);
@@ -170,9 +163,10 @@ inline int64_t kv_offset(const TreeAttentionArgs& a, const Task& t, int64_t j) {
 }
 
 // Step 1: p[r, m] = scale * <q_m, k_{j0+r}>, or -inf where the mask forbids the pair; padded
-// queries (m >= M) get 0 and are never softmaxed, so their weights stay 0.
-RHEO_HOT_LOOP void score_tile(const TreeAttentionArgs& a, const Task& t, int64_t G, int64_t j0,
-                              int64_t rows, Workspace& ws) {
+// queries (m >= M) get 0 and are never softmaxed, so their weights stay 0. Compiled per ISA
+// level (cpu_math.h RHEO_ISA_COPIES), as is accumulate_tile: the two hot loops.
+RHEO_ALWAYS_INLINE void score_tile_loop(const TreeAttentionArgs& a, const Task& t, int64_t G,
+                                        int64_t j0, int64_t rows, Workspace& ws) {
   const int64_t Mp = ws.Mp, D = a.D;
   const float* k_rows[kTileRows + 1];
   for (int64_t r = 0; r < rows; ++r)
@@ -192,6 +186,10 @@ RHEO_HOT_LOOP void score_tile(const TreeAttentionArgs& a, const Task& t, int64_t
     std::fill(s + t.M, s + Mp, 0.0f);
   }
 }
+RHEO_ISA_COPIES(void, score_tile, score_tile_loop,
+                (const TreeAttentionArgs& a, const Task& t, int64_t G, int64_t j0, int64_t rows,
+                 Workspace& ws),
+                (a, t, G, j0, rows, ws))
 
 // Step 2: online softmax. Raise each running max to cover the tile, rescale what was summed
 // under the old max by exp(old - new), and turn the tile's scores into weights exp(s - max).
@@ -222,8 +220,8 @@ void softmax_update(const Task& t, int64_t rows, Workspace& ws) {
 }
 
 // Step 3: acc[m] += sum_r p[r, m] * v_{j0+r}, two queries and kDimBlock columns at a time.
-RHEO_HOT_LOOP void accumulate_tile(const TreeAttentionArgs& a, const Task& t, int64_t j0,
-                                   int64_t rows, Workspace& ws) {
+RHEO_ALWAYS_INLINE void accumulate_tile_loop(const TreeAttentionArgs& a, const Task& t,
+                                             int64_t j0, int64_t rows, Workspace& ws) {
   const int64_t Mp = ws.Mp, Dp = ws.Dp, D = a.D;
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = ws.v_tile.data() + r * Dp;
@@ -236,6 +234,10 @@ RHEO_HOT_LOOP void accumulate_tile(const TreeAttentionArgs& a, const Task& t, in
       pv_block(ws.p.data() + m, Mp, ws.v_tile.data() + d0, Dp, rows, out0 + d0, out0 + Dp + d0);
   }
 }
+RHEO_ISA_COPIES(void, accumulate_tile, accumulate_tile_loop,
+                (const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
+                 Workspace& ws),
+                (a, t, j0, rows, ws))
 
 // Step 4: out = acc / run_sum. A node that sees no row at all (P_b = 0 and an empty
 // mask row) gets zeros, as the header states.

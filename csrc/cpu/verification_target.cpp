@@ -42,16 +42,17 @@ inline double sum4(const double* x, int64_t n) {
 // p[v] = exp(x[v] - m) where x[v] >= kth, else 0 (m = max x). The exp loop is unconditional and
 // the mask a second loop: GCC will not speculate a trapping exp into a select (-ftrapping-math),
 // so a fused loop would stay scalar.
-RHEO_SIMD_CLONES
-void exp_shifted_masked(const double* x, int64_t V, double m, double kth, double* p) {
+RHEO_ALWAYS_INLINE void exp_shifted_masked_loop(const double* x, int64_t V, double m, double kth,
+                                                double* p) {
   for (int64_t v = 0; v < V; ++v) p[v] = exp_nonpositive(x[v] - m);
   if (kth == -std::numeric_limits<double>::infinity()) return;
   for (int64_t v = 0; v < V; ++v) p[v] = x[v] >= kth ? p[v] : 0.0;
 }
+RHEO_ISA_COPIES(void, exp_shifted_masked, exp_shifted_masked_loop,
+                (const double* x, int64_t V, double m, double kth, double* p), (x, V, m, kth, p))
 
 // True when every x[v] is finite (exponent bits not all ones): integer ops, so it vectorises.
-RHEO_SIMD_CLONES
-bool all_finite(const double* x, int64_t V) {
+RHEO_ALWAYS_INLINE bool all_finite_loop(const double* x, int64_t V) {
   constexpr uint64_t kExpMask = 0x7FF0000000000000ull;
   uint64_t bad = 0;
   for (int64_t v = 0; v < V; ++v) {
@@ -61,6 +62,7 @@ bool all_finite(const double* x, int64_t V) {
   }
   return bad == 0;
 }
+RHEO_ISA_COPIES(bool, all_finite, all_finite_loop, (const double* x, int64_t V), (x, V))
 
 // Step 0: row of logits -> x = logits / T in double (raw logits at T = 0). False on NaN/inf,
 // with the first bad token in *bad.
@@ -99,17 +101,17 @@ bool load_node(const VerificationArgs& a, int64_t b, int64_t node, double* x, Ba
   return false;
 }
 
-RHEO_SIMD_CLONES
-void divide_by(double* p, int64_t V, double by) {
+RHEO_ALWAYS_INLINE void divide_by_loop(double* p, int64_t V, double by) {
   for (int64_t v = 0; v < V; ++v) p[v] /= by;
 }
+RHEO_ISA_COPIES(void, divide_by, divide_by_loop, (double* p, int64_t V, double by), (p, V, by))
 
-RHEO_SIMD_CLONES
-int64_t count_positive(const double* p, int64_t V) {
+RHEO_ALWAYS_INLINE int64_t count_positive_loop(const double* p, int64_t V) {
   int64_t n = 0;
   for (int64_t v = 0; v < V; ++v) n += p[v] > 0.0 ? 1 : 0;
   return n;
 }
+RHEO_ISA_COPIES(int64_t, count_positive, count_positive_loop, (const double* p, int64_t V), (p, V))
 
 // Top-p (header rule): sort p descending, ties by lower id; keep a token while the mass strictly
 // before it is < top_p; renormalise. The sort grows a sorted prefix only as far as needed.
@@ -255,14 +257,14 @@ RHEO_ALWAYS_INLINE double exp_row(const typename Row::Elem* x, int64_t V, float 
   return sum;
 }
 
+// One set of ISA copies per element type.
 #define RHEO_VERIFY_PASSES(name, Row)                                                          \
-  RHEO_SIMD_CLONES int64_t max_##name(const Row::Elem* x, int64_t V, int32_t* max_key) {      \
-    return max_row<Row>(x, V, max_key);                                                        \
-  }                                                                                            \
-  RHEO_SIMD_CLONES double exp_##name(const Row::Elem* x, int64_t V, float mx, float inv_T,     \
-                                     int32_t kth_key, double* w, int64_t* nnz) {               \
-    return exp_row<Row>(x, V, mx, inv_T, kth_key, w, nnz);                                     \
-  }
+  RHEO_ISA_COPIES(int64_t, max_##name, max_row<Row>,                                           \
+                  (const Row::Elem* x, int64_t V, int32_t* max_key), (x, V, max_key))          \
+  RHEO_ISA_COPIES(double, exp_##name, exp_row<Row>,                                            \
+                  (const Row::Elem* x, int64_t V, float mx, float inv_T, int32_t kth_key,      \
+                   double* w, int64_t* nnz),                                                   \
+                  (x, V, mx, inv_T, kth_key, w, nnz))
 RHEO_VERIFY_PASSES(f32, cpu::F32Row)
 RHEO_VERIFY_PASSES(bf16, cpu::Bf16Row)
 RHEO_VERIFY_PASSES(f16, cpu::F16Row)

@@ -66,6 +66,21 @@ enum StatusBit : int32_t {
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
 // ---------------------------------------------------------------------------------------------
+// CPU dispatch level (csrc/cpu/cpu_isa.cpp): which copy of the CPU hot loops runs (AVX-512, AVX2
+// or the x86-64 baseline). Every copy computes the same bits (csrc/cpu/cpu_math.h says how), so
+// the level changes speed only; tests force each level to check that.
+// ---------------------------------------------------------------------------------------------
+namespace cpu {
+enum class Isa : int32_t { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+// The CPU's best level, or RHEO_CPU_ISA (default | avx2 | avx512, read once) lowered to it, as
+// torch's ATEN_CPU_CAPABILITY. An unknown RHEO_CPU_ISA raises ValueError on the first call.
+Isa active_isa();
+Isa set_active_isa(Isa level);  // for tests: lowered to the CPU's best; returns the level now set
+Isa parse_isa(const std::string& name, const char* what);  // ValueError naming `what` if unknown
+const char* isa_name(Isa level);                            // "default", "avx2", "avx512"
+}  // namespace cpu
+
+// ---------------------------------------------------------------------------------------------
 // Randomness: Philox-4x32-10 (Salmon et al., SC'11), counter-based, so every coin is a pure
 // function of (seed, step, stream, index) and CPU and CUDA draw identical coins.
 //   key     = seed (64 bit)
