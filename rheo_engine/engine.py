@@ -60,14 +60,12 @@ def _check_device(device: str | torch.device) -> torch.device:
 
 
 def is_batch(prompt: object) -> bool:
-    """A list of prompts rather than one: a non-empty list/tuple whose items are all str, or all
-    lists/tuples/tensors (token ids, or chats as message lists). A list of ints is one prompt
-    of token ids and a list of dicts one chat."""
+    """A list of prompts rather than one: a non-empty list/tuple whose items are each a str or a
+    list/tuple/tensor (token ids, or a chat as a message list), in any mix. A list of ints is
+    one prompt of token ids and a list of dicts one chat."""
     if not isinstance(prompt, (list, tuple)) or not prompt:
         return False
-    if all(isinstance(p, str) for p in prompt):
-        return True
-    return all(isinstance(p, (list, tuple, torch.Tensor)) for p in prompt)
+    return all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt)
 
 
 class Engine:

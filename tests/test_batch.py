@@ -92,6 +92,14 @@ def test_generate_list_seeds_and_auto_tree(default_engine) -> None:
     assert [g.token_ids for g in again] == [g.token_ids for g in out]
 
 
+def test_readme_batch_of_text_and_token_ids(default_engine) -> None:
+    """The README's example: a list mixing text and token ids is a batch, max_batch accepted."""
+    prompts = ["Once upon a time", "def quicksort(xs):", [1, 450, 338]]
+    gens = default_engine.generate(prompts, 8, seed=[0, 1, 2], temperature=0.8, max_batch=8)
+    assert len(gens) == 3 and [g.seed for g in gens] == [0, 1, 2]
+    assert all(len(g.token_ids) == 8 or g.stop_reason == "eos" for g in gens)
+
+
 def test_batch_errors_are_one_line(default_engine) -> None:
     with pytest.raises(ValueError, match="seed is a list of 1 seeds for 2 prompts"):
         default_engine.generate(["a", "b"], 4, seed=[1])
