@@ -15,14 +15,22 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import NoReturn
 
-import torch
+if __name__ == "__main__":
+    # Ctrl-C while torch and the engine import (a second or two): exit 130 with one line, as
+    # later, not with an import traceback. main() puts Python's handler back.
+    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted while starting\n"),
+                                             os._exit(130)))  # fmt: skip
+
+import torch  # noqa: E402
 
 from rheo_engine.config import METHODS
 from rheo_engine.engine import TREES, Engine, Generation, Request
@@ -361,9 +369,9 @@ class Progress:
     def begin(self, request: Request) -> None:
         self.request, self.start, self.tokens, self.steps = request, time.perf_counter(), 0, 0
 
-    def interrupted_line(self) -> str | None:
+    def interrupted_line(self) -> str:
         if self.request is None:
-            return None
+            return "interrupted before any token was generated"
         wall_s = time.perf_counter() - self.start
         tau = self.tokens / max(1, self.steps)
         return (
@@ -442,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a bad flag (2, already said in one line)
         return e.code if isinstance(e.code, int) else 2
     progress, before = Progress(), torch.get_num_threads()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on
     try:
         _run(args, progress)
         return 0
@@ -457,8 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(flush=True)  # end the half-written line of text
             except OSError:
                 _quiet_stdout()
-        if line is not None:
-            _say(line)
+        _say(line)
         return 130
     except BadInput as err:  # a flag or file of the CLI's own, said in its spelling already
         _say(f"error: {' '.join(str(err).split())}")

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -354,6 +355,32 @@ def test_ctrl_c_prints_the_stats_so_far(tmp_path):
         r"threads 1",
         last,
     ), last
+
+
+def test_ctrl_c_while_starting_or_before_any_token_is_one_line(tmp_path):
+    """SIGINT while torch imports (the first second) and while the CLI waits for its first
+    prompt on stdin: exit 130 and one line on stderr, no traceback."""
+    gen = _generate("--prompt", "hi", stdout=subprocess.PIPE)
+    time.sleep(0.2)
+    gen.send_signal(signal.SIGINT)
+    _, err = gen.communicate(timeout=60)
+    assert gen.returncode == 130 and err.decode().strip() == "interrupted while starting", err
+    read_fd, write_fd = os.pipe()  # a prompt that never comes: the CLI waits on stdin
+    gen = _generate(stdin=read_fd, stdout=subprocess.PIPE)
+    os.close(read_fd)
+    try:
+        time.sleep(6)  # past the imports (usually) and the load, into the wait on stdin
+        gen.send_signal(signal.SIGINT)
+        _, err = gen.communicate(timeout=60)
+    finally:
+        os.close(write_fd)
+    err = err.decode()
+    assert gen.returncode == 130, err
+    _no_traceback(err)
+    assert err.strip().splitlines()[-1] in (
+        "interrupted before any token was generated",
+        "interrupted while starting",
+    )
 
 
 # --- the converters' CLI ---------------------------------------------------------------------
