@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rheo_engine import Engine, kernels
 from rheo_engine.engine import Generation
+from rheo_engine.machine import isa_line
 
 METHODS: tuple[str, ...] = ("ar", "topk", "rrsw", "rheo")
 
@@ -150,16 +150,11 @@ def commit_id() -> str:
 
 
 def hardware(device: str) -> str:
-    """The GPU name for cuda, else the CPU model (Linux /proc/cpuinfo, else platform)."""
+    """The GPU name for cuda, else the CPU model and the vector extensions that decide which
+    code runs (AVX2 / AVX-512 / AVX-512-BF16 / AMX): numbers move a lot between those."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return isa_line()
 
 
 def conditions(bench: str, device: str, **settings: Any) -> dict[str, Any]:

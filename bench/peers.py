@@ -179,7 +179,6 @@ def run(args: argparse.Namespace) -> dict:
         temperatures=args.temperatures,
         max_new_tokens=args.max_new_tokens,
         dtype=str(engine.target.dtype),
-        isa=isa_flags(),
         **fit,
     )
     print(conditions_line(cond), flush=True)
@@ -236,16 +235,6 @@ def weight_bytes(engine) -> int:
     t = engine.target
     layers = sum(w.numel() * w.element_size() for layer in t.layers for w in vars(layer).values())
     return layers + t.lm_head.numel() * t.lm_head.element_size() + t.norm.numel() * 2
-
-
-def isa_flags() -> str:
-    """The vector extensions that decide these numbers (AVX2 / AVX-512 / AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-    return ",".join(f for f in wanted if f in flags) or "none"
 
 
 def table(records: list[dict], labels: list[str], temperatures: list[float]) -> str:
