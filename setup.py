@@ -26,7 +26,7 @@ def _rel(pattern: str) -> list[str]:
 
 
 def _want_cuda() -> tuple[bool, str]:
-    """(build CUDA?, why) following STYLE.md §10."""
+    """(build CUDA?, why), by the rules of docs/kernels.md §9."""
     if os.environ.get("RHEO_NO_CUDA") == "1":
         return False, "RHEO_NO_CUDA=1"
     if torch.version.cuda is None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The auto tree's benchmarks (issue 9), as BENCHMARKS.md reports them; results and logs go to
+# The auto tree's benchmarks, as BENCHMARKS.md reports them; results and logs go to
 # OUT (default bench/results/auto_tree, ignored by git). Needs ../shared/data (or DATA=DIR) and
 # makes the widened pair in .cache/widened if it is missing. About 1.5 hours on two cores (the
 # widened HumanEval runs take 25 minutes each). Run nothing else meanwhile: ratios are timed.

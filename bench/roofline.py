@@ -1,4 +1,4 @@
-"""Analytic roofline of the engine's CUDA kernels on an NVIDIA H200 (issue 10): reasoned, not
+"""Analytic roofline of the engine's CUDA kernels on an NVIDIA H200: reasoned, not
 measured.
 
     python bench/roofline.py
@@ -8,7 +8,7 @@ the kernels of one decode step cost against that step's floor. Pure Python (no t
 deterministic. Sizes are the paper's: Llama-3.1-8B target (H = 32, Hkv = 8, D = 128, hidden
 4096, V = 128256, 32 layers), EAGLE-3 head (draft vocabulary 32000), tree N = 60, depth 8,
 topk 10, support S = 128, K = 10 slots, m = 1, method rheo at T = 1; bf16 logits and
-activations. BENCHMARKS.md (issue 10) pastes this output; tests/test_roofline.py checks it.
+activations. BENCHMARKS.md pastes this output; tests/test_roofline.py checks it.
 
 The model, per kernel and size:
 * compulsory bytes: inputs read once and outputs written once (HBM). Must-do ops: arithmetic
@@ -160,7 +160,7 @@ def tree_attention(s: TreeAttentionSize) -> Estimate:
     )
 
 
-# As built in issue 10: 64 query rows of one KV head per block, K/V tiles of 32 keys through
+# As built (after the review): 64 query rows of one KV head per block, K/V tiles of 32 keys through
 # shared memory once per row tile, fp32 FMAs; prefix split ~256 keys a block, log-sum-exp merge.
 ATTN_ROWS_PER_BLOCK, ATTN_KEYS_PER_SPLIT, ATTN_MAX_BLOCKS = 64, 256, 2 * SMS
 # Warp instructions per (row, key): D FMAs for q.k with 3 shared loads per 8, D for p.v with 3
@@ -201,7 +201,7 @@ class PoolSamplerSize:
 
 def pool_sampler(s: PoolSamplerSize, built: bool = False) -> Estimate:
     """One 256-thread block per row (rows <= 132: one SM each): 6 passes over V, then thread 0.
-    built: as built in issue 10, the gather scans a contiguous id range per warp with two block
+    built: as built after the review, the gather scans a contiguous id range per warp with two block
     barriers (a streaming pass; the ties' second pass reads a few tiles), not ordered tiles."""
     se = min(S_SUPPORT, s.V)
     row = s.V * 2
@@ -296,7 +296,7 @@ def verification(s: VerificationSize) -> Estimate:
     )
 
 
-# As built in issue 10: a prepass (grid B*N) reduces every node row to a stats record (max,
+# As built (after the review): a prepass (grid B*N) reduces every node row to a stats record (max,
 # softmax sum, #p > 0, top-k / top-p thresholds) in parallel; the walk (grid B) then costs
 # O(K + S) a node and one pass over V for the final draw. A visited node's walk work is a chain
 # of dependent block reductions and barriers (assumed ~0.5 µs each, ~6 of them).
@@ -392,10 +392,10 @@ def skinny_linear(s: SkinnySize) -> Estimate:
 @dataclass(frozen=True)
 class KernelTable:
     title: str
-    design: str  # the work mapping the issue-10 review read in the .cu file (commit abcb590)
+    design: str  # the work mapping the kernel review read in the .cu file (commit abcb590)
     rows: list[Estimate]
     redesign: list[str]
-    built: list[Estimate] | None = None  # the same sizes, as built in issue 10 (None: unchanged)
+    built: list[Estimate] | None = None  # the same sizes, as built after review (None: unchanged)
     built_design: str = ""
 
 
@@ -547,7 +547,7 @@ class StepPart:
     calls: int
     floor_s: float
     current_s: float | None  # None: torch/cuBLAS work, taken at its floor
-    built_s: float | None = None  # as built in issue 10
+    built_s: float | None = None  # as built after the review
 
 
 def matmul_floor(params: float, rows: int) -> float:

@@ -6,8 +6,8 @@
 One process: the server (rheo_engine.serve on uvicorn, in a thread) over the same engine that
 the direct calls use, and a plain http.client client. Each round times the same seeded
 temperature-0 request three ways, interleaved (direct, HTTP whole, HTTP streamed), and the
-overhead is the median over rounds of (HTTP time / direct time of that round) - 1 (STYLE.md
-§9: the machine is shared, absolute times drift). The client shares the server's GIL, so this
+overhead is the median over rounds of (HTTP time / direct time of that round) - 1 (the
+machine is shared, absolute times drift). The client shares the server's GIL, so this
 is the pessimistic case of a client in another process; --client-process sends each request
 from a separate Python process instead. Prints one CSV row per way.
 """

@@ -1,4 +1,4 @@
-"""Throughput of many requests at once (issue 12 §4): generated tokens per second over all
+"""Throughput of many requests at once (docs/batching.md): generated tokens per second over all
 requests, at each concurrency, for ar and rheo, served by the engine's Scheduler (continuous
 batching: rheo_engine.batch); and each request's latency (submit to its last token).
 

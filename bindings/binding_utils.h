@@ -1,5 +1,5 @@
 // Tensor checks shared by the bindings: each turns a wrong tensor into a ValueError that names
-// the argument, the rule, what was received and the fix (STYLE.md §7).
+// the argument, the rule, what was received and the fix (docs/kernels.md §5).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -15,7 +15,7 @@ differ (one that drafts vs one that never does, topk/depth/total_tokens, tree="f
 form separate groups, and a step runs one group; methods topk, rrsw and rheo share a group
 (each entry's pools and verification follow its own method). A group's tree is chosen before
 the step from what is known then (each sequence's free rows and tokens still wanted, the
-policy's past evidence): lossless as for one request (DESIGN.md §2.4). The auto tree prices
+policy's past evidence): lossless as for one request (docs/tree_policy.md §7). The auto tree prices
 trees for the group's batch size (tree_policy.CostProfile.step_s).
 """
 

@@ -1,4 +1,4 @@
-"""Small frozen configs; each bad value raises ValueError saying how to fix it (STYLE.md §6)."""
+"""Small frozen configs; each bad value raises ValueError saying how to fix it."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def json_head_dim(d: dict, hidden: int, heads: int, source: str, who: str = "") 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """How the draft tree is grown (DESIGN.md §2.2). Defaults are the paper's setting."""
+    """How the draft tree is grown (docs/algorithm.md §5). Defaults are the paper's setting."""
 
     method: Method = "rheo"
     topk: int = 10  # nodes expanded per level; also K, the pool size per node

@@ -1,4 +1,4 @@
-"""Grow the dynamic draft tree (DESIGN.md §2.1-2.2). Knows nothing of Llama.
+"""Grow the dynamic draft tree (docs/algorithm.md §4-5). Knows nothing of Llama.
 
 A drafter gives draft logits level by level; this module turns them into pools (pool sampler
 kernel), chooses the nodes to expand (select_expand), and prunes globally (build_tree). Scores

@@ -1,9 +1,9 @@
 """Typed wrappers over the compiled kernels (the only module that imports ``_C``).
 
 Each function allocates its outputs, calls the kernel on the inputs' device and returns the
-outputs. Shapes use the letters of DESIGN.md: B batch, N tree nodes, V vocabulary, K pool slots,
-Se = min(S, V) sparse support, H/Hkv heads, D head dim. Bad input raises ``ValueError`` from the
-C++ checks, naming the value, the rule and the fix.
+outputs. Shapes use the letters of docs/algorithm.md §1: B batch, N tree nodes, V vocabulary,
+K pool slots, Se = min(S, V) sparse support, H/Hkv heads, D head dim. Bad input raises
+``ValueError`` from the C++ checks, naming the value, the rule and the fix.
 
 The status word (csrc/include/rheo/common.h StatusBit). A CUDA kernel cannot raise without a
 host sync, so the kernels of a step take ``status``, a [1] int32 word on their device
@@ -138,7 +138,7 @@ def raise_status(bits: int) -> None:
 
 @dataclass
 class Pool:
-    """Per row of draft logits: the K children of an expanded node (DESIGN.md §2.1)."""
+    """Per row of draft logits: the K children of an expanded node (docs/algorithm.md §4)."""
 
     tokens: torch.Tensor  # [n, K] int32, slot order
     log_proxy: torch.Tensor  # [n, K] float32 (float64 for float64 logits)

@@ -3,7 +3,7 @@
 A forward writes the K/V of its n new tokens at rows ``length .. length+n`` without committing
 them. After a prefill the caller commits all of them (``advance(n)``); after a tree only the
 accepted nodes survive (``commit(keep)``), compacted so the committed rows stay contiguous
-(DESIGN.md §1 step 4). Every batch entry has the same ``length``.
+(docs/algorithm.md §2, step 4). Every batch entry has the same ``length``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Models enter only through two small protocols, so the n-gram toy (rheo_engine.models.ngram)
 drives exactly the loop a Llama target with an EAGLE-3 head does; that is how losslessness is
-tested end to end (STYLE.md §8). The root of every tree is the last token already emitted (or
-the last prompt token): the target has not processed it yet.
+tested end to end (docs/algorithm.md §10). The root of every tree is the last token already
+emitted (or the last prompt token): the target has not processed it yet.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def fit_tree(cfg: TreeConfig, room: int, wanted: int) -> TreeConfig:
     tokens, so N <= room, depth <= wanted - 1 (no drafts past the last token wanted) and
     depth <= N - 1 (a deeper node never survives pruning: its ancestors all rank first).
 
-    Lossless (DESIGN.md §2.4): room and wanted are known before the step (the committed cache
-    length and the tokens emitted so far), so the shape never depends on this step's coins,
-    sampled tokens or target logits, and every guarantee for a tree fixed in advance holds.
+    Lossless (docs/tree_policy.md §7): room and wanted are known before the step (the committed
+    cache length and the tokens emitted so far), so the shape never depends on this step's
+    coins, sampled tokens or target logits, and every guarantee for a tree fixed in advance holds.
     """
     if cfg.method == "ar":
         return cfg
@@ -177,12 +177,12 @@ def speculative_step(
 ) -> StepResult:
     """One step for B sequences: draft a tree per root, verify it, accept, commit.
 
-    The step reads the device once (issue 10 §3): drafting, the target forward and verification
-    run with no host read, their shapes fixed by ``cfg`` and the cache length, both known on the
-    host before the step (what a CUDA-graph capture needs); their kernels report bad input in
-    one status word, read with the verdict by read_outcome; the commits and the emitted tokens
-    then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the device),
-    so that a run of steps keeps its buffers at fixed addresses; None allocates one.
+    The step reads the device once (docs/kernels.md §5): drafting, the target forward and
+    verification run with no host read, their shapes fixed by ``cfg`` and the cache length, both
+    known on the host before the step (what a CUDA-graph capture needs); their kernels report bad
+    input in one status word, read with the verdict by read_outcome; the commits and the emitted
+    tokens then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the
+    device), so that a run of steps keeps its buffers at fixed addresses; None allocates one.
     ``history`` (B = 1): the sequence so far, for the penalties and min_new_tokens' ban, which
     logit controls apply at every node with its own history before verification.
     """

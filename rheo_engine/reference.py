@@ -2,7 +2,8 @@
 
 Slow and obvious on purpose. The tests check the compiled kernels against these functions
 (exactly for integer outputs, to a tolerance for floats); the engine never calls them.
-Notation as in DESIGN.md: p target, q draft, q_tilde the sparse sampled distribution, r residual.
+Notation as in docs/algorithm.md §1: p target, q draft, q_tilde the sparse sampled distribution,
+r residual.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def pool_sampler_ref(
     level: int = 0,
     forced_sample: torch.Tensor | None = None,
 ) -> PoolRef:
-    """The Rheo pool of every row of ``logits`` [n, V] (DESIGN.md §2.1, paper §3 and app. C).
+    """The Rheo pool of every row of ``logits`` [n, V] (docs/algorithm.md §4, paper §3 and app. C).
 
     Full sort per row. z_T underflow is judged against the smallest normal number of the
     kernel's acc_t (float64 for float64 logits, float32 otherwise), as the kernel does.
@@ -170,7 +171,7 @@ class TreeRef(NamedTuple):
 
 
 def _tree_one(scores, tokens, cand_parents, sampled, root, prefix, N, max_depth):
-    """Layout of one tree as Python lists (DESIGN.md §2.2)."""
+    """Layout of one tree as Python lists (docs/algorithm.md §5)."""
     for c, p in enumerate(cand_parents):
         if not -1 <= p < c:
             raise ValueError(f"cand_parents[{c}] = {p} must be -1 or a flat index in [0, {c})")

@@ -424,9 +424,9 @@ class Request:
                     return self._measure(runner, drafter, root, cache, key)
 
                 policy = self._policy(measure)
-            # Lossless (DESIGN.md §2.4): the policy fixes the tree from what is known before the
-            # step (the free context rows, the tokens still wanted, past steps and measured
-            # costs), never from its coins or logits; see tree_policy and loop.fit_tree.
+            # Lossless (docs/tree_policy.md §7): the policy fixes the tree from what is known
+            # before the step (the free context rows, the tokens still wanted, past steps and
+            # measured costs), never from its coins or logits; see tree_policy and loop.fit_tree.
             step_cfg = ar_cfg if policy is None else policy.choose(room, wanted)
             start = time.perf_counter()
             # Nothing between two steps reads the device: the prefix length is filled in on it

@@ -1,4 +1,4 @@
-"""Which tree each step drafts (DESIGN.md §2.4): a fixed tree, or the measured cost model.
+"""Which tree each step drafts (docs/tree_policy.md): a fixed tree, or the measured cost model.
 
 A policy answers ``choose(room, wanted)`` before a step and ``observe(cfg, outcome, seconds)``
 after it (``outcome``: the step's verdict as read on the host, verify.Outcome). ``FixedTree`` is
@@ -26,7 +26,7 @@ takes a plain step when no tree beats it.
   step covered keep the prior, and the decay lets the prior come back after plain steps, which
   re-probes speculation when the context may have become easier.
 
-Lossless (DESIGN.md §2.4): choose() reads only the profile and what previous steps returned
+Lossless (docs/tree_policy.md §7): choose() reads only the profile and what previous steps returned
 (their trees and verdicts) and the room/wanted counts known before the step; it never sees
 this step's coins, its sampled tokens or the target's logits. Every tree shape is lossless
 when fixed in advance, and a shape chosen from the past is fixed in advance of the step, so

@@ -1,4 +1,4 @@
-"""Verify a draft tree against the target (DESIGN.md §2 method table, §2.3). Knows nothing of Llama.
+"""Verify a draft tree against the target (docs/algorithm.md §3, §6). Knows nothing of Llama.
 
 The per-layer rules live in the verification kernel; this module maps the engine's configs onto
 it and reads a verdict back (read_outcome): the one host read of a decode step.
@@ -29,8 +29,8 @@ def _q_tilde_like(dt: DraftTree, logits: torch.Tensor) -> torch.Tensor:
 
 
 class History:
-    """One sequence's history as logit controls read it (DESIGN.md §2.4): the prompt's distinct
-    tokens, how often each token was generated, and min_new_tokens' ban of the EOS ids.
+    """One sequence's history as logit controls read it (docs/algorithm.md §8): the prompt's
+    distinct tokens, how often each token was generated, and min_new_tokens' ban of the EOS ids.
 
     Each node of a step's tree adds its own path to this (kernels.logit_controls), so the
     controls at a node are those plain sampling would apply after that node's history. The
@@ -168,9 +168,9 @@ class Outcome:
 def read_outcome(
     tree: kernels.Tree, verdict: kernels.Verdict, status: torch.Tensor | None = None
 ) -> Outcome:
-    """The one device-to-host read of a decode step (issue 10 §3): accept lengths, bonus tokens,
-    paths, the paths' tokens, the node depths and the status word travel as one int32 tensor
-    [B, 3 + 2P + N] in one transfer; then the status is raised (kernels.raise_status).
+    """The one device-to-host read of a decode step (docs/kernels.md §5): accept lengths, bonus
+    tokens, paths, the paths' tokens, the node depths and the status word travel as one int32
+    tensor [B, 3 + 2P + N] in one transfer; then the status is raised (kernels.raise_status).
 
     Everything before this in the step stays on the device, its shapes fixed by the tree size
     and the cache length (known on the host before the step), so the GPU never waits for the

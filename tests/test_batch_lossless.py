@@ -1,4 +1,4 @@
-"""Losslessness of the batched step (rheo_engine.batch, DESIGN.md §1-2), proven as for one
+"""Losslessness of the batched step (rheo_engine.batch, docs/batching.md §5), proven as for one
 sequence (tests/test_lossless.py), with four sequences drafted and verified together.
 
 1. Exact, whole small trees, B = 4: four n-gram sequences of different histories, context

@@ -3,7 +3,7 @@
 Builds tests/cuda_emu with CMake into build/emu (cached across runs; a change to csrc rebuilds
 what it touches) and runs its three programs, each under two schedule seeds:
   selftest      the emulator's own semantics and the misuse it must catch;
-  internals     white-box tests of verification.cu's device functions (issue 10 defects 4-6);
+  internals     white-box tests of verification.cu's device functions (defects found in review);
   kernel_tests  every kernel against its CPU twin; inside one run each case also runs under a
                 second schedule that must agree bit for bit.
 The AddressSanitizer + UBSan build runs the same programs (kernel_tests in --quick mode).

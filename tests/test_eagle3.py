@@ -1,8 +1,9 @@
 """The EAGLE-3 head: official checkpoint round trip, forward, tree levels, commit, bad input.
 
-A scaled-down head with the official key names (eagle3.md §1.3) and a non-identity d2t sits on
-a random 6-layer Llama target. Its outputs are checked against ``ref_forward``, an independent
-plain-torch transcription of eagle3.md §2.2 run causally over a node's whole sequence of pairs.
+A scaled-down head with the official key names (docs/eagle3_format.md §3) and a non-identity d2t
+sits on a random 6-layer Llama target. Its outputs are checked against ``ref_forward``, an
+independent plain-torch transcription of docs/eagle3_format.md §7 run causally over a node's
+whole sequence of pairs.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def head(target: LlamaModel) -> Eagle3Head:
     )
 
 
-# --- independent reference (eagle3.md §2.2) -------------------------------------------------
+# --- independent reference (docs/eagle3_format.md §7) ----------------------------------------
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

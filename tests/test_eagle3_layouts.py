@@ -31,7 +31,7 @@ SPECFORGE_IDS = [1, 3, 4]  # SpecForge's default [1, N//2 - 1, N - 4]: outputs o
 
 
 def authors_config() -> dict:
-    """An EAGLE release's config.json (eagle3.md §1.2): no layer ids, no rope_theta."""
+    """An EAGLE release's config.json (docs/eagle3_format.md §2): no layer ids, no rope_theta."""
     return {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2,
             "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02,
             "intermediate_size": INTER, "max_position_embeddings": 2048, "model_type": "llama",

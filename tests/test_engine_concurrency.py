@@ -1,6 +1,6 @@
-"""Many callers of one engine (issue 12 §2): threads calling ``generate`` at once, and asyncio
-callers of ``agenerate`` / ``astream`` served by the engine's one Scheduler, which decodes them
-as one batch (continuous batching). Each request gives exactly the tokens it gives alone (its
+"""Many callers of one engine (docs/batching.md §1): threads calling ``generate`` at once, and
+asyncio callers of ``agenerate`` / ``astream`` served by the engine's one Scheduler, which decodes
+them as one batch (continuous batching). Each request gives exactly the tokens it gives alone (its
 coins depend on its own seed and steps only), a reader that stops early cancels its request and
 frees its slot, and the KV memory is bounded up front.
 

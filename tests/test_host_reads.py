@@ -1,4 +1,4 @@
-"""A decode step reads the device once (issue 10 §3): its verdict and status word, at its end.
+"""A decode step reads the device once (docs/kernels.md §5), at its end: verdict and status word.
 
 On a GPU every host read (item(), int()/bool() of a tensor, .tolist(), .cpu(), nonzero, a boolean
 mask) waits for the stream to drain and prevents CUDA-graph capture, so a step reads once: the

@@ -23,7 +23,7 @@ from rheo_engine.models.llama import LlamaModel
 
 transformers = pytest.importorskip("transformers")
 
-# Goldens from shared/fixtures/llama2c/README.md ("Verification").
+# Goldens: llama2.c's own run of stories260K (top-5 logits after BOS, 32 greedy tokens).
 TOP5_AFTER_BOS = [(403, 17.0235), (385, 15.4062), (410, 13.1083), (317, 12.7692), (407, 12.4181)]
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" with BOS
 GREEDY_32 = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410,

@@ -1,4 +1,4 @@
-"""Losslessness, proven three ways (DESIGN.md §1-2, paper Theorem 1 and appendix D).
+"""Losslessness, proven three ways (docs/algorithm.md §7, §10; paper Theorem 1, appendix D).
 
 1. Exact, one layer: enumerate the sampled token, integrate the coins (verification law), the
    emitted token's law equals p within 1e-12; rheo's acceptance equals Theorem 3's closed form.
@@ -216,7 +216,7 @@ def test_one_layer_exact(V):
                 assert acc == pytest.approx(theorem3_acceptance(p, q, q_tilde, K), abs=1e-12)
                 _, acc_topk = one_layer(p_logits, q_logits, K, m, "topk", SamplingConfig(), V)
                 gaps.append(acc - acc_topk)
-    # DESIGN.md §2.3: rheo need not beat topk at every node; recorded, not asserted per node.
+    # docs/algorithm.md §6: rheo need not beat topk at every node; recorded, not asserted per node.
     print(f"V={V}: rheo - topk acceptance: min {min(gaps):+.4f} mean {sum(gaps) / len(gaps):+.4f}")
 
 
@@ -356,7 +356,7 @@ def test_broken_proxy_is_detected_in_deep_trees(monkeypatch, mode):
     assert max_law_error(target, drafter_table, [2], cfg, SamplingConfig()) > 1e-3
 
 
-# --- 2b. a tree chosen per step from the past (DESIGN.md §2.4, tree_policy) -------------------
+# --- 2b. a tree chosen per step from the past (docs/tree_policy.md §7) ------------------------
 
 
 def tree_outcomes(target, drafter_table, history, cfg, sampling):

@@ -1,4 +1,4 @@
-"""Losslessness of the history controls inside tree verification (issue 11 §3, DESIGN.md §2.4).
+"""Losslessness of the history controls inside tree verification (docs/algorithm.md §8).
 
 Exact, whole small trees as in test_lossless.py: the n-gram toy drives the engine's drafting,
 pruning, logit controls and verification; every sampled token is enumerated; the law of the

@@ -1,4 +1,4 @@
-"""Pool sampler (DESIGN.md §2.1): CPU kernel vs reference.pool_sampler_ref, Lemma 4, forced
+"""Pool sampler (docs/algorithm.md §4): CPU kernel vs reference.pool_sampler_ref, Lemma 4, forced
 samples, the law of Y, bad input, and CUDA vs CPU on the same Philox coins."""
 
 from __future__ import annotations

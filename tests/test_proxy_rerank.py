@@ -1,4 +1,4 @@
-"""Proxy rerank and tree build (DESIGN.md §2.2): the CPU kernels against reference.py, literal
+"""Proxy rerank and tree build (docs/algorithm.md §5): the CPU kernels against reference.py, literal
 hand-drawn trees, exact ties (the tie rule of common.h), bad input, and CUDA against CPU."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""bench/roofline.py, the analytic H200 roofline of the CUDA kernels (issue 10).
+"""bench/roofline.py, the analytic H200 roofline of the CUDA kernels.
 
 - it prints one table per kernel (and the two step tables), fast and the same every run;
 - every floor is positive and at most the current design's estimate, per kernel and per step;
 - tree attention's L2 traffic is N * G re-reads of the compulsory K/V at prefix 8192;
 - the step floor's weights are Llama-3.1-8B's streamed parameters;
-- BENCHMARKS.md's issue-10 section holds the script's output verbatim.
+- BENCHMARKS.md's roofline section holds the script's output verbatim.
 No GPU or torch needed.
 """
 

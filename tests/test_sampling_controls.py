@@ -1,4 +1,4 @@
-"""The sampling controls end to end on the default pair (issue 11 §3), in fp32.
+"""The sampling controls end to end on the default pair (docs/algorithm.md §8), in fp32.
 
 - Lossless with controls on a real target: with repetition_penalty=1.3 and min_p=0.05 at T = 1,
   the joint law of the first two emitted tokens (rheo, drafts accepted) passes a G-test against

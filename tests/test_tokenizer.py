@@ -2,9 +2,9 @@
 in every clone): round trips on code, unicode and whitespace runs, specials, the vicuna chat
 ids, streaming detokenization against full decoding, bad ids and files.
 
-With ../shared (RHEO_SHARED), also the fixtures' goldens (shared/fixtures/llama2c/README.md:
-tok512, Llama-2 and Llama-3's tiktoken file); those tests skip naming the missing file. EAGLE's
-exact chat strings come from bench/data/eagle_bench/prompts.json, shipped with the repo.
+With ../shared (RHEO_SHARED), also goldens on the fixtures' tokenizers (llama2.c's tok512,
+Llama-2's tokenizer.model, Llama-3's tiktoken file); those tests skip naming the missing file.
+EAGLE's exact chat strings come from bench/data/eagle_bench/prompts.json, shipped with the repo.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The target trainer: a tiny run end to end, resume, and the refusals (issue 4, section 2/4).
+"""The target trainer: a tiny run end to end, resume, and the refusals.
 
 Runs on a few of the repository's own source files copied to tmp (vocab 400, a 2-layer model
 with 32 hidden units), so the whole file takes seconds.

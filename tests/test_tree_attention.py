@@ -100,8 +100,9 @@ def test_strided_views():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,N,H,Hkv,D,prefix_len", [(2, 9, 8, 2, 64, 200), (1, 5, 6, 1, 80, 0)])
 def test_half_precision_error_within_torch_noise(dtype, B, N, H, Hkv, D, prefix_len):
-    # Tolerance from measured noise (STYLE.md §8): against the fp32 reference on the same rounded
-    # inputs, the kernel's error may be at most 2x that of the torch reference run in `dtype`.
+    # Tolerance from measured noise (docs/kernels.md §8): against the fp32 reference on the same
+    # rounded inputs, the kernel's error may be at most 2x that of the torch reference run in
+    # `dtype`.
     q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, dtype=dtype, seed=11)
     exact = reference.tree_attention_ref(q.float(), k.float(), v.float(), mask, prefix_len)
     torch_low = reference.tree_attention_ref(q, k, v, mask, prefix_len, compute_dtype=dtype)

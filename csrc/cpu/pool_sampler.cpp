@@ -1,4 +1,4 @@
-// Pool sampler on the CPU (contract: csrc/include/rheo/pool_sampler.h, DESIGN.md §2.1).
+// Pool sampler on the CPU (contract: csrc/include/rheo/pool_sampler.h, docs/algorithm.md §4).
 //
 // One row at a time (OpenMP over rows). Per row:
 //   pass 1  over V: the Se highest logits in a bounded heap and a finiteness check; 16 logits at
@@ -50,7 +50,7 @@ using pool_sampler_detail::scan_support;
 
 // Y ~ q~ on support minus leads (support indices m..Se-1), weights w_j = exp((l_j - l_m) / T).
 // Writes q~ into qt[0..Se) and returns the support index of Y; -1 when z_T underflows (the
-// degenerate case of DESIGN.md §2.1: no sampled child, qt all 0). `forced` is a support index
+// degenerate case of docs/algorithm.md §4: no sampled child, qt all 0). `forced` is a support index
 // to pin Y to, or -1 to draw with the coin `u` by inverse CDF in support order. Each weight is
 // one exp, kept in qt until the draw is done.
 int64_t sample_tilde(const double* l, int64_t Se, int32_t m, double T, double u, int64_t forced,
@@ -118,7 +118,7 @@ void pool_row(const PoolSamplerArgs& a, int64_t r, std::vector<Entry<Real>>& hea
   }
   const double log_total = std::log(outside + support_mass);
   for (int64_t j = 0; j < Se; ++j) log_q[j] = l[j] - static_cast<double>(M) - log_total;
-  // T = 0 forces the plain top-K pool for every kind (greedy; DESIGN.md §2.1).
+  // T = 0 forces the plain top-K pool for every kind (greedy; docs/algorithm.md §9).
   const int32_t m = a.m;
   const bool rheo = a.kind == PoolKind::kRheo && a.T > 0.0;
   const int32_t forced_token = a.forced_sample ? a.forced_sample[r] : -1;

@@ -1,4 +1,4 @@
-// Proxy rerank and tree build on the CPU (DESIGN.md §2.2): one batch entry at a time, OpenMP
+// Proxy rerank and tree build on the CPU (docs/algorithm.md §5): one batch entry at a time, OpenMP
 // over the batch. Both entry points rank candidates with rheo::ranks_before (score desc, then
 // flat index asc), the one tie rule shared with the CUDA kernel and the draft.
 #include "rheo/proxy_rerank.h"

@@ -1,5 +1,5 @@
-// Tree attention on the CPU (DESIGN.md §1 step 2): every tree node attends to the whole cached
-// prefix plus the tree rows its mask allows, with GQA.
+// Tree attention on the CPU (docs/algorithm.md §2, step 2): every tree node attends to the whole
+// cached prefix plus the tree rows its mask allows, with GQA.
 //
 // Work split: one task per (b, KV head, block of nodes). A task reads only its own sequence: the
 // slot kv_slots[b] (or b) and rows 0..P_b+N-1 of it, P_b its prefix length, so a sequence's output

@@ -21,7 +21,7 @@ namespace {
 // removed masses); it is re-summed from w, an O(V) pass reached with probability ~ Z.
 constexpr double kResumBelow = 1e-6;
 
-// Children of `node` in verification order (DESIGN.md §2 method table). Returns the count;
+// Children of `node` in verification order (docs/algorithm.md §3, §6). Returns the count;
 // *y_pos = position of the sampled child's min(1, r/q~) test, -1 if none (always -1 for kTopK).
 int64_t verification_order(const VerificationArgs& a, const TreeView& t, int64_t node,
                            int32_t* order, int64_t* y_pos) {

@@ -44,7 +44,7 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
 
 // Order-preserving unsigned keys: a > b as reals <=> key(a) > key(b), and a == b as reals <=>
 // key(a) == key(b): -0.0 maps to +0.0's key, so the two tie and the lower id goes first, as on
-// the CPU (issue 10 defect 1: -0.0 used to rank below +0.0).
+// the CPU (a review defect: -0.0 used to rank below +0.0).
 __device__ __forceinline__ uint32_t key_of(float x) {
   const uint32_t b = __float_as_uint(x == 0.0f ? 0.0f : x);
   return b ^ ((b >> 31) ? 0xFFFFFFFFu : 0x80000000u);
@@ -295,7 +295,7 @@ __device__ RowPlan plan_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, con
 
 // A row with a NaN / inf logit: the CPU raises; here the row gets outputs that keep the step's
 // later kernels in range (distinct ids 0.., log proxies -inf, no sampled child, q~ = 0) and the
-// status bit tells the host (issue 10 defect 2: NaN used to give repeated ids, inf NaN proxies).
+// status bit tells the host (a review defect: NaN used to give repeated ids, inf NaN proxies).
 template <typename Acc>
 __device__ void poison_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, int32_t* ids,
                            Acc* q_tilde) {

@@ -1,4 +1,4 @@
-// Proxy rerank and tree build on CUDA (DESIGN.md §2.2), mirroring csrc/cpu/proxy_rerank.cpp.
+// Proxy rerank and tree build on CUDA (docs/algorithm.md §5), mirroring csrc/cpu/proxy_rerank.cpp.
 //
 // Work mapping: one thread block per batch entry. B is small (1..~100) and each entry is an
 // independent ranking of L <= ~2000 candidates, so one block keeps every step inside a block and

@@ -406,7 +406,7 @@ cudaError_t launch(const VerificationArgs& args, cudaStream_t stream) {
 cudaError_t verification_cuda(const VerificationArgs& args, cudaStream_t stream) {
   verification_check_scalars(args);  // host values: no sync; the tree is checked on the device
   // The [B, V] workspace (the prepass's node stats) comes from the caller (the binding: torch's
-  // caching allocator), not from a cudaMallocAsync per call (issue 10 defect 6).
+  // caching allocator), not from a cudaMallocAsync per call (a review defect).
   if (args.workspace == nullptr || args.accept_path == nullptr || args.accept_len == nullptr ||
       args.bonus_token == nullptr)
     return cudaErrorInvalidValue;

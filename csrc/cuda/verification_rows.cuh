@@ -237,7 +237,7 @@ __device__ void hist_widen(RowShared& sh) {
 // Warp 0: the highest bin b with sum_{c >= b} h[c] >= need (need >= 1), into sh.bin, with the sums
 // above it: sh.above of h and sh.above_cnt of h2 (when given). The sums are integers, so a bin's
 // sub-bins add up to exactly its own sum and the descent always finds a bin; should none reach
-// need all the same, the lowest non-empty bin is taken (issue 10 defect 4: the radix search over
+// need all the same, the lowest non-empty bin is taken (a review defect: the radix search over
 // double masses ran out of bins and top-p switched off).
 __device__ void select_bin(const u64* h, const u64* h2, u64 need, RowShared& sh) {
   if (threadIdx.x >= 32) return;

@@ -6,7 +6,7 @@
     python -m rheo_engine.io.convert gguf MODEL.gguf OUT_DIR [--dtype bfloat16]
 
 ``llama2c`` reads a llama2.c "version 0" (legacy) checkpoint such as stories260K.bin
-(shared/fixtures/llama2c/README.md) and writes config.json, model.safetensors and
+(llama2.c's 260K-parameter TinyStories model) and writes config.json, model.safetensors and
 tokenizer.model that HF ``LlamaForCausalLM.from_pretrained`` loads unchanged. ``widen``
 embeds a target + EAGLE-3 head pair (SRC/target, SRC/draft) in bigger models with the same
 outputs (rheo_engine/io/widen.py), e.g. weights/default to ~1B parameters in .cache/widened.

@@ -1,5 +1,5 @@
 """Convert an official EAGLE-3 head (config.json + pytorch_model.bin) to config.json +
-model.safetensors, the only weight format the engine loads (eagle3.md §1.1).
+model.safetensors, the only weight format the engine loads (docs/eagle3_format.md §1).
 
     python -m rheo_engine.io.convert_eagle3 SRC_DIR OUT_DIR
 

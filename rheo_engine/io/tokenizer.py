@@ -1,6 +1,7 @@
 """Tokenizers for the Llama family: SentencePiece (Llama-2, Vicuna, llama2.c's tok512),
 Llama-3's tiktoken file and Hugging Face's tokenizer.json, plus chat templates: the model
-directory's own (Jinja, `chat_template.py`) and the two EAGLE evaluates with (eagle3.md §5.4).
+directory's own (Jinja, `chat_template.py`) and the two EAGLE evaluates with
+(docs/eagle3_format.md §10).
 
 `Tokenizer.from_dir` prefers `tokenizer.json` (+ tokenizer_config.json, `hf_tokenizer.py`), the
 file transformers and vLLM load, and falls back to `tokenizer.model`. `Tokenizer.from_file` sniffs

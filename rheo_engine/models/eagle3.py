@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head: checkpoint checks and the one-layer forward (eagle3.md §1-2); its
+"""The EAGLE-3 draft head: checkpoint checks and the one-layer forward (docs/eagle3_format.md); its
 config.json is read by eagle3_config.py.
 
 The head fuses target features taken at the inputs of three target layers (``fc``), then runs
@@ -64,7 +64,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 
 
 def head_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor an EAGLE-3 head can hold, under the official names (eagle3.md §1.3)."""
+    """Every tensor an EAGLE-3 head can hold, by official name (docs/eagle3_format.md §3)."""
     H, inter, D, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size
     return {
         "fc.weight": (H, len(cfg.feature_layers) * cfg.target_hidden_size),
@@ -102,7 +102,7 @@ def init_head_weights(cfg: HeadConfig, seed: int, std: float = 0.02) -> dict[str
 
 
 def head_config_json(cfg: HeadConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """The config.json of a head, with the official field names (eagle3.md §1.2)."""
+    """The config.json of a head, with the official field names (docs/eagle3_format.md §2)."""
     d: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "hidden_size": cfg.hidden_size,
@@ -139,7 +139,8 @@ def _where(source: str | None, target: LlamaModel) -> str:
 
 
 def _check_target(cfg: HeadConfig, target: LlamaModel, where: str) -> None:
-    """The head must fit its target: vocabulary, fused width, feature layers (eagle3.md §1.4)."""
+    """The head must fit its target: vocabulary, fused width and feature layers
+    (docs/eagle3_format.md §2, §4)."""
     t = target.cfg
     if cfg.vocab_size != t.vocab_size:
         raise ValueError(
@@ -223,10 +224,10 @@ def _check_shapes(cfg: HeadConfig, weights: dict[str, torch.Tensor], where: str)
 def _draft_to_target(
     cfg: HeadConfig, d2t: torch.Tensor | None, t2d: torch.Tensor | None, where: str
 ) -> torch.Tensor | None:
-    """Absolute target ids [Vd] = d + d2t[d] (eagle3.md §1.5), None for the identity. They must
-    be distinct target ids, and t2d [V] (training's membership mask; inference never reads it)
-    must be True exactly at them: a t2d that disagrees means d2t is not the map it was built
-    with."""
+    """Absolute target ids [Vd] = d + d2t[d] (docs/eagle3_format.md §6), None for the identity.
+    They must be distinct target ids, and t2d [V] (training's membership mask; inference never
+    reads it) must be True exactly at them: a t2d that disagrees means d2t is not the map it was
+    built with."""
     Vd, V = cfg.draft_vocab_size, cfg.vocab_size
     if d2t is not None and (d2t.dtype.is_floating_point or d2t.dtype == torch.bool):
         raise ValueError(
@@ -276,10 +277,10 @@ def _embedding(
     """The token embedding [V, H] the head uses.
 
     A head as wide as its target uses the target's embedding: EAGLE copies it from the target
-    (eagle3.md §1.4) and SGLang's EAGLE-3 worker overwrites the draft's embed_tokens with the
-    target's (set_embed) unless target_hidden_size != hidden_size. Such heads do not save one:
-    EAGLE drops frozen parameters, and SpecForge's train_eagle3.py filters every "embed" key out
-    of the draft state dict ("EAGLE3 owns a frozen embedding loaded from the target"). So an
+    (docs/eagle3_format.md §5) and SGLang's EAGLE-3 worker overwrites the draft's embed_tokens with
+    the target's (set_embed) unless target_hidden_size != hidden_size. Such heads do not save one:
+    EAGLE drops frozen parameters, and SpecForge's train_eagle3.py filters every "embed" key out of
+    the draft state dict ("EAGLE3 owns a frozen embedding loaded from the target"). So an
     embed_tokens.weight in a checkpoint of such a head is accepted only when it IS the target's
     (equal in the narrower of the two dtypes, e.g. a bf16 copy): anything else would be a second
     embedding nobody says which engine used, and is refused. A narrower head (70B-style,
@@ -309,7 +310,7 @@ def _embedding(
 
 
 class Eagle3Head:
-    """One EAGLE-3 draft layer over plain tensors (eagle3.md §2.2). Weights in ``dtype``."""
+    """One EAGLE-3 draft layer over plain tensors (docs/eagle3_format.md §7), in ``dtype``."""
 
     def __init__(
         self,
@@ -411,7 +412,7 @@ class Eagle3Head:
         c, w = self.cfg, self.w
         B, n, _ = h.shape
         e = self.embed_tokens[tokens]  # [B, n, H]
-        # eagle3.md §2.2: embedding half first; the residual is the un-normed h.
+        # docs/eagle3_format.md §7: embedding half first; the residual is the un-normed h.
         e_normed = rms_norm(e, w["midlayer.input_layernorm.weight"], c.rms_norm_eps)
         h_normed = rms_norm(h, w["midlayer.hidden_norm.weight"], c.rms_norm_eps)
         x = torch.cat((e_normed, h_normed), -1)  # [B, n, 2H]

@@ -1,6 +1,6 @@
 """The EAGLE-3 head's config.json, checked: HeadConfig, the official key names, and the target
-layers whose features the head fuses (eagle3.md §1; both released layouts: the EAGLE authors'
-and SpecForge / SGLang's). The weights and the forward are in eagle3.py.
+layers whose features the head fuses (docs/eagle3_format.md §2, §4; both released layouts: the
+EAGLE authors' and SpecForge / SGLang's). The weights and the forward are in eagle3.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ANOTHER_TARGET = (
 )
 
 
-# Official key names (eagle3.md §1.3); embed_tokens, d2t and t2d are optional.
+# Official key names (docs/eagle3_format.md §3); embed_tokens, d2t and t2d are optional.
 LAYER_KEYS = (
     "midlayer.hidden_norm.weight",
     "midlayer.input_layernorm.weight",
@@ -42,14 +42,15 @@ _SIZES = (*_REQUIRED_CONFIG, "num_key_value_heads", "head_dim", "draft_vocab_siz
           "target_hidden_size")  # fmt: skip
 DEFAULT_ROPE_THETA = 10000.0  # the released configs have no rope_theta; training always used 10000
 # What the authors' releases, SpecForge and SGLang write; a config without the field is accepted
-# (EAGLE ignores it, eagle3.md §1.2).
+# (EAGLE ignores it, docs/eagle3_format.md §2).
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
 
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """Shape of an EAGLE-3 head (its config.json, eagle3.md §1.2), resolved against its target."""
+    """Shape of an EAGLE-3 head (its config.json, docs/eagle3_format.md §2), resolved against its
+    target."""
 
     hidden_size: int  # H, the draft width (also the embedding width)
     intermediate_size: int

@@ -1,10 +1,10 @@
-"""The EAGLE-3 head as a tree drafter (rheo_engine.draft.Drafter + commit; eagle3.md §2.3-2.5).
+"""The EAGLE-3 head as a tree drafter (draft.Drafter + commit; docs/eagle3_format.md §8).
 
 The head's cache holds one row per committed pair (target feature of token j, token j + 1) at
 RoPE position j. Tree levels are scratch: level l runs its frontier nodes at position
 m + l - 1 (m = committed pairs), each seeing the committed pairs, its ancestors among earlier
 frontier nodes and itself. Their K/V lives outside the cache and is dropped at commit, where
-the accepted pairs are recomputed from the target's features, as EAGLE does (§2.4).
+the accepted pairs are recomputed from the target's features, as EAGLE does.
 
 Commits are lazy: a step's accepted pairs (and the prompt's) wait until the head next drafts
 (root_logits) and then run in one forward with any others waiting. A run of plain steps (the

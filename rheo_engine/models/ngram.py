@@ -1,4 +1,4 @@
-"""An n-gram toy target and draft that drive the real engine loop (DESIGN.md §4).
+"""An n-gram toy target and draft that drive the real engine loop (docs/algorithm.md §10).
 
 The next-token logits depend on the last ``order - 1`` tokens only, so the exact law of any
 number of emitted tokens is a product of table rows: the reference the losslessness tests

@@ -29,7 +29,7 @@ SPAN_CHARS, CHARS_PER_TOKEN = 400, 8
 
 
 def resolve_feature_layers(target: ModelConfig, given: tuple[int, ...] | None) -> tuple[int, ...]:
-    """``given``, else EAGLE's (2, N//2, N-3) (eagle3.md §2.1); distinct and in range."""
+    """``given``, else EAGLE's (2, N//2, N-3) (docs/eagle3_format.md §4); distinct and in range."""
     N = target.num_hidden_layers
     layers = given if given else (2, N // 2, N - 3)
     if len(set(layers)) != len(layers):
@@ -215,7 +215,7 @@ def generate_data(target: LlamaModel, prompts: torch.Tensor, gen_len: int, batch
 
 def draft_vocabulary(data: HeadData, vocab_size: int, draft_vocab: int) -> torch.Tensor:
     """The ``draft_vocab`` most frequent target ids among the sampled tokens, ascending
-    (eagle3.md §1.5; ties by lower id); all ids when draft_vocab is 0 or V."""
+    (docs/eagle3_format.md §6; ties by lower id); all ids when draft_vocab is 0 or V."""
     if draft_vocab in (0, vocab_size):
         return torch.arange(vocab_size)
     T = data.tokens.shape[1]

@@ -4,7 +4,7 @@ Loss of unroll step s at index p: KL(p_target || q_head) of token p+2+s, where p
 target's softmax at that position (its logits recomputed from the stored final state), restricted
 to the draft vocabulary and renormalised when Vd < V; positions past a sequence's end, and (Vd < V)
 those whose target argmax is outside the draft vocabulary, are masked, as EAGLE-3 does with t2d
-(eagle3.md §1.5). Steps are weighted step_decay ** s. Accuracy: head argmax == target argmax.
+(docs/eagle3_format.md §6). Steps weigh step_decay ** s. Accuracy: head argmax == target argmax.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class Trainer:
     # --- weights and checkpoints -------------------------------------------------------------
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Official head tensors (fp32) plus d2t (offsets) and t2d (eagle3.md §1.5)."""
+        """Official head tensors (fp32) plus d2t (offsets) and t2d (docs/eagle3_format.md §6)."""
         w = {k: v.float().cpu() for k, v in self.model.head_weights().items()}
         used = self.used.cpu()
         w["d2t"] = used - torch.arange(len(used))

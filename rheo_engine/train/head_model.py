@@ -1,8 +1,9 @@
 """The trainable EAGLE-3 head of head.py, with EAGLE-3's training-time test.
 
 Parameter names are the official checkpoint's (``fc.weight``, ``midlayer.self_attn.q_proj.weight``
-..., eagle3.md §1.3), so the state dict is the head. The numerics reuse eagle3.py's RMSNorm and
-RoPE; tests prove the unrolled forward gives Eagle3Drafter's logits for the same weights.
+..., docs/eagle3_format.md §3), so the state dict is the head. The numerics reuse eagle3.py's
+RMSNorm and RoPE; tests prove the unrolled forward gives Eagle3Drafter's logits for the same
+weights.
 
 Training-time test (unroll U steps over a sequence of T tokens, n = T - 1 indices p):
 * step 0 at index p: (fc(features of token p), embed(token p+1)) at RoPE position p, attending
@@ -78,7 +79,8 @@ def unrolled_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 
 
 class MidLayer(nn.Module):
-    """The head's one decoder layer (eagle3.md §2.2): input concat(norm(embed), norm(h)), 2H."""
+    """The head's one decoder layer (docs/eagle3_format.md §7): input concat(norm(embed),
+    norm(h)), 2H."""
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
@@ -95,7 +97,7 @@ class MidLayer(nn.Module):
         [B, n, Hkv, D] of the earlier steps (step 0 first) and gets this step's appended."""
         B, n, _ = h.shape
         c, a = self.cfg, self.self_attn
-        # Embedding half first; the residual is the un-normed h (eagle3.md §2.2).
+        # Embedding half first; the residual is the un-normed h (docs/eagle3_format.md §7).
         x = torch.cat((self.input_layernorm(e), self.hidden_norm(h)), -1)  # [B, n, 2H]
         q = apply_rope(a.q_proj(x).view(B, n, -1, c.head_dim), positions, c.rope_theta)
         k = apply_rope(a.k_proj(x).view(B, n, -1, c.head_dim), positions, c.rope_theta)
@@ -118,7 +120,8 @@ class TrainableHead(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        # Not a parameter and not saved: official heads borrow the target's (eagle3.md §1.4).
+        # Not a parameter and not saved: official heads borrow the target's
+        # (docs/eagle3_format.md §5).
         self.register_buffer("embed_tokens", embed_tokens.detach().float(), persistent=False)
 
     def forward(

@@ -1,6 +1,7 @@
 // White-box tests of verification.cu's device functions on the CPU emulator: this file includes
 // the .cu itself, so its internal functions (anonymous namespace) can be launched one at a time.
-// Each test is one of issue 10's review defects and failed on the code before its fix:
+// Each test is one of the defects a review of verification.cu found (numbered as there), and
+// failed on the code before its fix:
 //   top_p_boundaries      defect 4: sub-bins summed a few ulps short of their parent bin ended
 //                         the radix search with no bin, and top-p kept all V tokens (the
 //                         masses are integers now; the rows on a bin boundary stay);

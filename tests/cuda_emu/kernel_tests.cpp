@@ -8,7 +8,7 @@
 // and the two runs must agree bit for bit; the CUDA outputs must equal the CPU's exactly for
 // integers (ids, tokens, slots, paths) and within a stated tolerance for floats (the CUDA sums
 // add in another order). Bad input: the CPU raises, the CUDA kernel sets its status bit (common.h
-// StatusBit) and writes in-range outputs. Sizes follow the issue: V = 111, 32000, 128256; N = 1
+// StatusBit) and writes in-range outputs. Sizes: V = 111, 32000, 128256; N = 1
 // and 60; S > V; B up to 8; fp32/bf16/fp16 (fp64 where the kernel takes it); tie-heavy logits
 // (integer valued, with +0.0 and -0.0), T = 0, top-p, top-k, forced samples.
 // --quick keeps the small cases (for the AddressSanitizer + UBSan build).
@@ -276,7 +276,7 @@ void pool_case(const PoolCase& c, uint64_t seed) {
   expect_equal(cuda.status, std::vector<int32_t>{0}, "status");
 }
 
-// Defect 1 of issue 10: -0.0 and +0.0 straddle the support boundary; the CPU takes the lower id.
+// A review defect: -0.0 and +0.0 straddle the support boundary; the CPU takes the lower id.
 void pool_signed_zero() {
   ++cases;
   current_case = "pool_sampler -0.0 / +0.0 at the support boundary";

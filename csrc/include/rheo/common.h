@@ -1,5 +1,5 @@
 // Helpers shared by the CPU and CUDA kernels: host/device marker, errors, dtypes, Philox
-// coins and the one tie rule (DESIGN.md §2.2). Kept in one header so that the CPU and CUDA
+// coins and the one tie rule (docs/algorithm.md §5). Kept in one header so that the CPU and CUDA
 // versions cannot drift apart: both draw the same coins and rank nodes the same way.
 #pragma once
 
@@ -18,7 +18,7 @@ namespace rheo {
 
 // ---------------------------------------------------------------------------------------------
 // Errors. RHEO_CHECK throws rheo::ValueError (bad input; pybind11 maps it to Python ValueError).
-// Messages name the value, the rule, what was received and the fix (STYLE.md §7).
+// Messages name the value, the rule, what was received and the fix (docs/kernels.md §5).
 // ---------------------------------------------------------------------------------------------
 struct ValueError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
@@ -150,8 +150,8 @@ RHEO_HOST_DEVICE double verify_coin(uint64_t seed, uint64_t step, uint32_t b, ui
 }
 
 // ---------------------------------------------------------------------------------------------
-// The tie rule, one everywhere (DESIGN.md §2.2): higher score first; on equal scores the lower
-// flat index first. Candidates are numbered in EAGLE's flat order (level by level; inside a
+// The tie rule, one everywhere (docs/algorithm.md §5): higher score first; on equal scores the
+// lower flat index first. Candidates are numbered in EAGLE's flat order (level by level; inside a
 // level, parent rank * K + slot), so "lower flat index" = shallower depth, then better parent
 // rank, then earlier slot (leads, sampled slot, fills). This keeps the pruned tree ancestor-
 // closed (paper app. C.1) and the sampled slot ahead of a fill tying with its proxy (Lemma 4).

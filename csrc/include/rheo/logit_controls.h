@@ -1,6 +1,6 @@
-// Logit controls: the history-dependent part of the target processing (DESIGN.md §2.4), applied
-// in place to every node's row of target logits, each with that node's own history, before
-// verification (verification.h then does temperature -> top-k -> top-p -> min-p).
+// Logit controls: the history-dependent part of the target processing (docs/algorithm.md §8),
+// applied in place to every node's row of target logits, each with that node's own history,
+// before verification (verification.h then does temperature -> top-k -> top-p -> min-p).
 //
 // The history of node i of tree b is the sequence so far (the prompt and every emitted token,
 // the root's token included: the host's history_* arrays) followed by the tokens of the nodes on

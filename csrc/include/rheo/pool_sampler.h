@@ -1,4 +1,4 @@
-// Pool sampler: the K children of each expanded draft node (DESIGN.md §2.1).
+// Pool sampler: the K children of each expanded draft node (docs/algorithm.md §4).
 //
 // logits [n, V] (row stride `row_stride` elements) -> per row r:
 //   tokens       [n, K] int32   child token ids in slot order
@@ -32,7 +32,7 @@
 //     slots m+1..K-1 fills: the highest-logit tokens of the support without the leads and Y,
 //                   log q each.
 //   Degenerate: when z_T underflows (z_T < the smallest normal acc_t), slot m holds x_{m+1} as an
-//   ordinary deterministic child with log q(x_{m+1}), and sampled_slot = -1 (DESIGN.md §2.1).
+//   ordinary deterministic child with log q(x_{m+1}), and sampled_slot = -1 (docs/algorithm.md §4).
 //
 // Rules (checked by the caller-facing binding; RHEO_CHECK messages name value, rule and fix):
 //   1 <= K <= V, 0 <= m < K, K <= S, T >= 0, every logit finite.

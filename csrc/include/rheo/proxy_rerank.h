@@ -1,4 +1,4 @@
-// Proxy rerank and tree build (DESIGN.md §2.2). Two entry points:
+// Proxy rerank and tree build (docs/algorithm.md §5). Two entry points:
 //
 // 1. select_expand: per draft level, which `topk` candidates to expand next.
 //    scores [B, M] float32 (path scores of the level's candidates, in flat order) ->

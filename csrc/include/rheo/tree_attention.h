@@ -1,5 +1,5 @@
-// Tree attention over a cached prefix plus N tree nodes (DESIGN.md §1 step 2), for a batch of B
-// sequences, each with its own prefix length and its own slot of a KV pool.
+// Tree attention over a cached prefix plus N tree nodes (docs/algorithm.md §2, step 2), for a
+// batch of B sequences, each with its own prefix length and its own slot of a KV pool.
 //
 // q   [B, N, H, D]          queries of the tree nodes (strided: q_stride_b/n/h, last dim dense)
 // k,v [S, Lc, Hkv, D]       the KV cache (strided, last dim dense); S = B and slot b = sequence b

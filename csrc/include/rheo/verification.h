@@ -1,5 +1,5 @@
 // Verification: walk the draft tree with the target distribution p and emit the accepted path
-// plus one token (DESIGN.md §1 step 3, §2 method table, §2.3 RheoVerification).
+// plus one token (docs/algorithm.md §2 step 3, §3 methods, §6 RheoVerification).
 //
 // Inputs (B trees of N nodes each; node 0 is the root; parents precede children and siblings
 // appear in slot order, as build_tree lays them out):
