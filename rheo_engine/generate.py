@@ -67,7 +67,7 @@ API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method",
                "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
                "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
-               "chat", "chat_template", "tree", "cost_profile")  # fmt: skip
+               "chat", "chat_template", "tree", "cost_profile", "pair")  # fmt: skip
 _SWITCHES = ("chat", "ignore_eos", "logprobs")  # flags without a value (store_true)
 _NAMES = "|".join(sorted(API_OPTIONS, key=len, reverse=True))
 # `name=value` (value: a repr'd string or a run of plain characters), not inside a longer name.

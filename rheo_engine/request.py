@@ -480,10 +480,10 @@ class Request:
             if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
                 engine.cost_profiles[key] = profile  # covers every tree: reuse it
                 keep_profile(profile)  # and in the next process on this machine
-            if isinstance(self.cost_profile, (str, Path)):
-                profile.save(self.cost_profile)
         elif not isinstance(self.cost_profile, CostProfile):
             engine.cost_profiles.setdefault(key, profile)
+        if isinstance(self.cost_profile, (str, Path)):  # a path not there yet: what was used
+            profile.save(self.cost_profile)
         return AutoTree(cfg, profile)
 
     def _measure(self, runner, drafter, root, cache: KVCache, key: str) -> CostProfile:

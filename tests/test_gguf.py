@@ -185,7 +185,10 @@ SMOL_TEXTS = TEXTS + [
 ]
 
 
-def test_smollm2_tokenizer_and_logits_equal_transformers(smollm2):
+def test_smollm2_tokenizer_and_logits_equal_transformers(smollm2, monkeypatch):
+    # The reference runs torch's matmuls; so does the engine here (models/linear.py may pick its
+    # own kernel per shape, whose fp32 sums round differently: 1.006e-4 was seen in CI).
+    monkeypatch.setenv("RHEO_LINEAR", "torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
