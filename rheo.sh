@@ -73,7 +73,7 @@ PYEOF
   echo "rheo.sh: building rheo_engine._C (a few minutes the first time)" >&2
   MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip install --no-build-isolation --no-deps -q -e . 2>&1 |
     grep -v "Running pip as the 'root' user" >&2 || true
-  "$PY" -c 'from rheo_engine import kernels; print("rheo_engine._C:", kernels.build_info())' >&2
+  "$PY" -c 'from rheo_engine.spec import kernels; print("rheo_engine._C:", kernels.build_info())' >&2
 }
 
 job=${1:-generate}
@@ -83,7 +83,7 @@ case "$job" in
   generate)
     if [ $# -eq 0 ]; then set -- --prompt "def quicksort(xs):" --max-new-tokens 96; fi
     exec "$PY" -m rheo_engine.generate "$@" ;;
-  demo) exec "$PY" -m rheo_engine.demo "$@" ;;
+  demo) exec "$PY" -m rheo_engine.entrypoints.demo "$@" ;;
   serve) exec "$PY" -m rheo_engine.serve "$@" ;;
   test)
     # Test-only dependencies at their pinned versions: pytest, HF transformers as the reference

@@ -15,7 +15,7 @@ import os
 import sys
 
 import torch
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -87,7 +87,7 @@ setup(
     name="rheo-engine",
     version="0.1.0",
     description="Lossless speculative decoding with RheoSampling over EAGLE-3 draft trees",
-    packages=["rheo_engine"],
+    packages=find_packages(include=["rheo_engine", "rheo_engine.*"]),
     python_requires=">=3.10",
     install_requires=["numpy", "safetensors", "sentencepiece", "tiktoken", "tokenizers", "jinja2"],
     ext_modules=[EXTENSION],

@@ -51,7 +51,7 @@ from inputs import (
     tree_options,
 )
 
-import rheo_engine.request as request_module
+import rheo_engine.runtime.decoder as decoder_module
 from rheo_engine import Engine
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 
@@ -86,8 +86,9 @@ class Coverage:
 def recording(coverage: Coverage, label: str, S: int):
     """Runs the engine with a drafter that reports its logits to ``coverage``.
 
-    A hack: Request builds its Eagle3Drafter by name, so the name is swapped for a recording
-    subclass while the block runs. A drafter factory on the Engine would remove this.
+    A hack: the decoder (rheo_engine.runtime.decoder) builds its Eagle3Drafter by name, so the name
+    is swapped for a recording subclass while the block runs. A drafter factory on the Engine would
+    remove this.
     """
 
     class Recording(Eagle3Drafter):
@@ -103,12 +104,12 @@ def recording(coverage: Coverage, label: str, S: int):
             coverage.add(label, out, S)
             return out
 
-    saved = request_module.Eagle3Drafter
-    request_module.Eagle3Drafter = Recording
+    saved = decoder_module.Eagle3Drafter
+    decoder_module.Eagle3Drafter = Recording
     try:
         yield
     finally:
-        request_module.Eagle3Drafter = saved
+        decoder_module.Eagle3Drafter = saved
 
 
 # --- the three ablations ---------------------------------------------------------------------

@@ -37,10 +37,10 @@ cd ..
 # The cost profiles behind the tables, and the tau each tree needs to break even under them.
 python -m rheo_engine.generate --prompt "def quicksort(xs):" --max-new-tokens 8 --temperature 0 \
   --cost-profile "bench/$OUT/profile_default_1thread.json" >/dev/null 2>&1
-python -m rheo_engine.tree_policy "bench/$OUT/profile_default_1thread.json" \
+python -m rheo_engine.runtime.tree_policy "bench/$OUT/profile_default_1thread.json" \
   | tee "bench/$OUT/break_even_default.md"
 python -m rheo_engine.generate --target .cache/widened/target --draft .cache/widened/draft \
   --threads 2 --prompt "def quicksort(xs):" --max-new-tokens 8 --temperature 0 \
   --cost-profile "bench/$OUT/profile_widened_2threads.json" >/dev/null 2>&1
-python -m rheo_engine.tree_policy "bench/$OUT/profile_widened_2threads.json" \
+python -m rheo_engine.runtime.tree_policy "bench/$OUT/profile_widened_2threads.json" \
   | tee "bench/$OUT/break_even_widened.md"

@@ -19,15 +19,13 @@ import torch
 from common import OpCounter, commit_id, conditions, conditions_line, markdown_table
 from inputs import add_model_args, cli, load_engine, resolve_pair
 
-from rheo_engine.batch import BatchDecoder
-
 PROMPTS = ["def quicksort(xs):", "class Stack:\n", "for i in", "import os\n",
            "Once upon a time", "The little dog", "def main():", "x = "]  # fmt: skip
 TREE = dict(tree="fixed", topk=4, depth=3, total_tokens=12)
 
 
 def count(engine, B: int, method: str, new_tokens: int) -> dict[str, float]:
-    decoder = BatchDecoder(engine, max_batch=B)
+    decoder = engine.decoder(max_batch=B)
     requests = [
         engine.request(
             PROMPTS[i % len(PROMPTS)],

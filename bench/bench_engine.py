@@ -38,7 +38,7 @@ from inputs import (
     tree_options,
 )
 
-from rheo_engine import kernels
+from rheo_engine.spec import kernels
 
 PROMPTS = STORY_OPENINGS[:3]
 PHASES = ("draft", "head", "target", "verify", "commit")

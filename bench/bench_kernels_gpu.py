@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +40,10 @@ import bench_tree_attention
 import bench_verification
 import torch
 import torch.nn.functional as F
-from common import commit_id, hardware
+from common import Timer, check_equal, commit_id, hardware, max_abs_diff
 from inputs import ArgumentParser, at_least
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 COLUMNS = ["kernel", "case", "ours µs", "torch µs", "speedup (torch/ours)", "torch-native", "check"]
 
@@ -75,52 +73,6 @@ QUICK = Sizes(H=4, Hkv=2, D=32, V=2000, V_draft=1000, N=16, depth=4, topk=4, S=3
               prefixes=(64,), linears=(("qkv", 384, 128),), rows=(1, 8))  # fmt: skip
 
 
-class Timer:
-    """Paired medians of callables on one device: see the module docstring."""
-
-    def __init__(self, device: torch.device, budget_s: float, max_pairs: int = 200) -> None:
-        self.device, self.budget_s, self.max_pairs = device, budget_s, max_pairs
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**26
-            self.flush_buf = torch.empty(2 * l2 // 4, dtype=torch.float32, device=device)
-        else:
-            self.flush_buf = torch.empty(2 * 2**20 // 4)  # 2 MiB: a core's L2
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def once_us(self, fn: Callable[[], object]) -> float:
-        self.flush_buf.zero_()
-        self.sync()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e3
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-
-    def pair(self, ours: Callable[[], object], theirs: Callable[[], object]) -> tuple[float, float]:
-        for _ in range(3):  # warm-up: allocations, cuBLAS/SDPA heuristics, lazy module loads
-            ours(), theirs()
-        self.sync()
-        t0 = time.perf_counter()
-        self.once_us(ours), self.once_us(theirs)  # a pilot pair sizes the repeats
-        pilot_s = max(time.perf_counter() - t0, 1e-6)
-        pairs = int(min(self.max_pairs, max(5, self.budget_s / pilot_s)))
-        times: tuple[list[float], list[float]] = ([], [])
-        for i in range(pairs):
-            order = ((ours, times[0]), (theirs, times[1]))
-            for fn, out in order if i % 2 == 0 else order[::-1]:
-                out.append(self.once_us(fn))
-        return statistics.median(times[0]), statistics.median(times[1])
-
-
 def row(kernel: str, case: str, ours: float, theirs: float, native: str, check: str) -> list[str]:
     return [kernel, case, f"{ours:.1f}", f"{theirs:.1f}", f"{theirs / ours:.2f}", native, check]
 
@@ -138,9 +90,7 @@ def tree_attention_cases(sz: Sizes, dev: torch.device, dtype: torch.dtype, timer
         v = torch.randn(1, rows, sz.Hkv, sz.D, generator=gen).to(dev, dtype)
         ours = lambda: kernels.tree_attention(q, k, v, mask, prefix)
         theirs = lambda: bench_tree_attention.torch_native(q, k, v, mask, prefix)
-        err = (ours().float() - theirs().float()).abs().max().item()
-        if not err <= 3e-2:
-            raise SystemExit(f"tree_attention and SDPA differ by {err} at prefix {prefix}")
+        err = max_abs_diff(ours(), theirs(), 3e-2, f"tree_attention and SDPA at prefix {prefix}")
         us = timer.pair(ours, theirs)
         case = f"B=1 N={sz.N} H={sz.H} Hkv={sz.Hkv} D={sz.D} prefix={prefix}"
         yield row("tree_attention", case, *us, "SDPA + bool mask, GQA repeat", f"max err {err:.1e}")
@@ -253,9 +203,8 @@ def rerank_cases(sz: Sizes, dev: torch.device, dtype: torch.dtype, timer: Timer)
     topk, K, depth, N = sz.topk, sz.topk, sz.depth, sz.N
     c = bench_proxy_rerank.draft(1, topk, K, depth, seed=1)
     s = c["cand_scores"][:, -topk * K :].contiguous().to(dev)
-    ok = torch.equal(kernels.select_expand(s, topk), bench_proxy_rerank.select_native(s, topk))
-    if not ok:
-        raise SystemExit("select_expand differs from a stable descending sort")
+    stable = bench_proxy_rerank.select_native(s, topk)
+    check_equal(kernels.select_expand(s, topk), stable, "select_expand and a stable sort")
     us = timer.pair(lambda: kernels.select_expand(s, topk), lambda: torch.topk(s, topk, dim=1))
     case = f"B=1 M={topk * K} topk={topk}"
     yield row("select_expand", case, *us, "torch.topk", "equal to a stable sort")
@@ -263,8 +212,7 @@ def rerank_cases(sz: Sizes, dev: torch.device, dtype: torch.dtype, timer: Timer)
     tree = kernels.build_tree(**cd, total_tokens=N, depth=depth)
     native = bench_proxy_rerank.build_tree_native(cd, N, depth)
     for field in reference.TreeRef._fields:
-        if not torch.equal(getattr(tree, field), native[field]):
-            raise SystemExit(f"build_tree and its torch composition differ in {field}")
+        check_equal(getattr(tree, field), native[field], f"build_tree and torch's {field}")
     us = timer.pair(
         lambda: kernels.build_tree(**cd, total_tokens=N, depth=depth),
         lambda: bench_proxy_rerank.build_tree_native(cd, N, depth),
@@ -293,7 +241,7 @@ def main() -> None:
     dev = torch.device(args.device)
     sz = QUICK if args.quick else PAPER
     budget = args.budget if args.budget is not None else (0.05 if args.quick else 1.0)
-    timer = Timer(dev, budget)
+    timer = Timer(dev, flush=True, budget_s=budget)
     dtype = torch.bfloat16
     cuda = f" cuda={torch.version.cuda}" if dev.type == "cuda" else ""
     head = (

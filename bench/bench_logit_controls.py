@@ -14,16 +14,15 @@ Usage: python bench/bench_logit_controls.py [--quick]
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from bench_verification import make_tree
-from common import commit_id
+from common import Timer, check_equal, commit_id
 from inputs import ArgumentParser
 
-from rheo_engine import kernels, reference
 from rheo_engine.config import SamplingConfig
-from rheo_engine.verify import History
+from rheo_engine.spec import kernels, reference
+from rheo_engine.spec.verify import History
 
 SAMPLING = SamplingConfig(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3)
 SAMPLING_ARGS = (SAMPLING.repetition_penalty, SAMPLING.presence_penalty, SAMPLING.frequency_penalty)
@@ -39,17 +38,12 @@ def make_history(V: int, H: int, seed: int = 3) -> tuple[list[int], list[int]]:
     return prompt, new + again
 
 
-def timed_us(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e6
-
-
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     opt = ap.parse_args()
     reps = 3 if opt.quick else 20
+    timer = Timer("cpu")
     sizes = [(V, H) for V in (32000, 128256) for H in (100, 2000)]
     if opt.quick:
         sizes = [(32000, 100), (32000, 2000)]
@@ -73,14 +67,14 @@ def main() -> None:
                     logits, tokens, parents, prompt, generated, *SAMPLING_ARGS, [EOS],
                     history.min_new_tokens,
                 )  # fmt: skip
-                assert torch.equal(controlled, want), (N, V, H)
+                check_equal(controlled, want, f"logit_controls and the reference, N={N} H={H}")
             # Interleaved: each repeat times the controls, then the verification they feed.
             us_c, us_v = [], []
             for step in range(reps + 1):
                 work = logits.clone()
-                t_c = timed_us(lambda: kernels.logit_controls(work, tokens, parents, *inputs,
-                                                              *SAMPLING_ARGS))  # fmt: skip
-                t_v = timed_us(lambda: kernels.verification(
+                t_c = timer.once_us(lambda: kernels.logit_controls(work, tokens, parents, *inputs,
+                                                                   *SAMPLING_ARGS))  # fmt: skip
+                t_v = timer.once_us(lambda: kernels.verification(
                     work, tokens, parents, sampled, q_ids, q_tilde, "rheo", 1.0, seed=1, step=step
                 ))  # fmt: skip
                 if step > 0:  # the first repeat warms up

@@ -7,14 +7,11 @@ outputs first, then times both. One CSV row per case.
 
 from __future__ import annotations
 
-import statistics
-import subprocess
-import time
-
 import torch
+from common import Timer, check_equal, conditions, conditions_line
 from inputs import ArgumentParser
 
-from rheo_engine import kernels
+from rheo_engine.spec import kernels
 
 
 def torch_native(logits: torch.Tensor, K: int, m: int, S: int, T: float, gen: torch.Generator):
@@ -46,31 +43,12 @@ def check(logits: torch.Tensor, K: int, m: int, S: int, T: float) -> None:
     top = kernels.pool_sampler(logits, K, m, S, T, kind="topk")
     pool = kernels.pool_sampler(logits, K, m, S, T, kind="rheo")
     ids = pool.q_tilde_ids.long()
-    assert torch.equal(torch.gather(logits.float(), 1, ids), top_vals), "support differs"
+    check_equal(torch.gather(logits.float(), 1, ids), top_vals, "the kernel's and torch's supports")
     torch.testing.assert_close(pool.q_tilde, q_tilde, rtol=1e-4, atol=1e-6)
     log_q_topk = torch.log_softmax(logits.float(), -1).topk(K, -1).values
     torch.testing.assert_close(top.log_proxy, log_q_topk, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(pool.log_proxy[:, m], log_proxy[:, m], rtol=1e-4, atol=1e-5)
     assert (pool.sampled_slot == m).all()
-
-
-def median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
-def git_commit() -> str:
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        return out.stdout.strip() or "uncommitted"
-    except OSError:
-        return "uncommitted"
 
 
 def main() -> None:
@@ -80,10 +58,8 @@ def main() -> None:
     reps = 5 if opts.quick else 30
     K, m, S, T = 10, 1, 128, 1.0
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and kernels.has_cuda() else [])
-    print(
-        f"# pool_sampler bench: K={K} m={m} S={S} T={T} torch {torch.__version__} "
-        f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}"
-    )
+    cond = conditions("pool_sampler", ",".join(devices), K=K, m=m, S=S, T=T, reps=reps)
+    print(conditions_line(cond))
     print("device,dtype,n,V,kernel_us,torch_us,speedup,kernel_GBps")
     for dev in devices:
         for V in (32000, 128256):
@@ -93,17 +69,10 @@ def main() -> None:
                 logits = (torch.randn(n, V, generator=gen_x) * 3).to(dtype).to(dev)
                 check(logits, K, m, S, T)
                 gen = torch.Generator(device=dev).manual_seed(1)
-                sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-
-                def run_kernel() -> None:
-                    kernels.pool_sampler(logits, K, m, S, T, seed=1)
-                    sync()
-
-                def run_torch() -> None:
-                    torch_native(logits, K, m, S, T, gen)
-                    sync()
-
-                k_us, t_us = median_us(run_kernel, reps), median_us(run_torch, reps)
+                timer = Timer(dev)
+                kernel = lambda: kernels.pool_sampler(logits, K, m, S, T, seed=1)
+                k_us = timer.median_us(kernel, reps)
+                t_us = timer.median_us(lambda: torch_native(logits, K, m, S, T, gen), reps)
                 gbps = logits.numel() * logits.element_size() / (k_us * 1e-6) / 1e9
                 name = str(dtype).removeprefix("torch.")
                 print(f"{dev},{name},{n},{V},{k_us:.1f},{t_us:.1f},{t_us / k_us:.2f},{gbps:.2f}")

@@ -10,26 +10,11 @@ parents, depth, mask and paths with gather/scatter. Every case is first checked 
 
 from __future__ import annotations
 
-import statistics
-import subprocess
-import time
-
 import torch
+from common import Timer, check_equal, conditions, conditions_line
 from inputs import ArgumentParser, at_least
 
-from rheo_engine import kernels, reference
-
-
-def git_commit() -> str:
-    try:
-
-        def git(*cmd: str) -> str:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
-
-        out, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
-        return (out or "uncommitted") + ("+dirty" if dirty else "")
-    except OSError:
-        return "uncommitted"
+from rheo_engine.spec import kernels, reference
 
 
 def draft(B: int, topk: int, K: int, depth: int, seed: int) -> dict[str, torch.Tensor]:
@@ -115,21 +100,6 @@ def build_tree_native(c: dict[str, torch.Tensor], N: int, depth: int) -> dict[st
     )  # fmt: skip
 
 
-def median_us(fn, reps: int, device: str) -> float:
-    for _ in range(max(3, reps // 10)):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     gpu = torch.cuda.is_available() and kernels.has_cuda()
@@ -141,11 +111,8 @@ def main() -> None:
         ap.error("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C; use cpu")
     reps = 20 if a.quick else a.reps
     dev = a.device
-    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(
-        f"# proxy rerank | device={dev} ({name}) | scores float32 | torch {torch.__version__} "
-        f"threads={torch.get_num_threads()} | commit {git_commit()} | median of {reps}"
-    )
+    timer = Timer(dev)
+    print(conditions_line(conditions("proxy_rerank", dev, scores="float32", reps=reps)))
     print("case,us_per_call,torch_us,ratio,GB_per_s")
     topk, K, depth, N = 10, 10, 8, 60
     for B in (1, 8):
@@ -154,10 +121,10 @@ def main() -> None:
         # select_expand on the last level's scores [B, topk * K].
         s = c["cand_scores"][:, -topk * K :].contiguous().to(dev)
         want = reference.select_expand_ref(s.cpu(), topk)
-        assert torch.equal(kernels.select_expand(s, topk).cpu(), want)
-        assert torch.equal(select_native(s, topk).cpu(), want)
-        us = median_us(lambda: kernels.select_expand(s, topk), reps, dev)
-        ref_us = median_us(lambda: select_native(s, topk), reps, dev)
+        check_equal(kernels.select_expand(s, topk), want, "select_expand and select_expand_ref")
+        check_equal(select_native(s, topk), want, "the native select and select_expand_ref")
+        us = timer.median_us(lambda: kernels.select_expand(s, topk), reps)
+        ref_us = timer.median_us(lambda: select_native(s, topk), reps)
         gbs = B * topk * K * 4 + B * topk * 4
         print(
             f"select_expand B={B} M={topk * K} topk={topk},{us:.1f},{ref_us:.1f},"
@@ -169,10 +136,10 @@ def main() -> None:
         ref = reference.build_tree_ref(**c, total_tokens=N, depth=depth)
         native = build_tree_native(cd, N, depth)
         for f in reference.TreeRef._fields:
-            assert torch.equal(getattr(tree, f).cpu(), getattr(ref, f)), f
-            assert torch.equal(native[f].cpu(), getattr(ref, f)), f"native {f}"
-        us = median_us(lambda: kernels.build_tree(**cd, total_tokens=N, depth=depth), reps, dev)
-        ref_us = median_us(lambda: build_tree_native(cd, N, depth), reps, dev)
+            check_equal(getattr(tree, f), getattr(ref, f), f"build_tree and build_tree_ref {f}")
+            check_equal(native[f], getattr(ref, f), f"the native build_tree and build_tree_ref {f}")
+        us = timer.median_us(lambda: kernels.build_tree(**cd, total_tokens=N, depth=depth), reps)
+        ref_us = timer.median_us(lambda: build_tree_native(cd, N, depth), reps)
         nbytes = B * (L * 16 + 8 + N * 24 + N * N + N * (depth + 1) * 4 + 4)
         print(
             f"build_tree B={B} L={L} N={N} depth={depth},{us:.1f},{ref_us:.1f},"

@@ -1,10 +1,11 @@
 """Benchmark the skinny linear layer: kernels.skinny_linear against F.linear for few rows.
 
-Checks the kernel against x.float() @ w.float().T first, then times each case: a warm-up, then
-paired repeats interleaved (F.linear, kernel, F.linear, ...) with L2 flushed before every call,
-median of each. Prints one markdown row per case: both times, the speedup (F.linear / kernel)
-and the GB/s of W the kernel read. Shapes: a Llama-3.2-1B layer (fused qkv, o, fused gate/up,
-down) and the default pair's target (weights/default/target/config.json), n rows of x.
+Checks the kernel against x.float() @ w.float().T first, then times each case with
+common.Timer.pair: a warm-up, then paired repeats interleaved (kernel, F.linear, F.linear,
+kernel, ...) with L2 flushed before every call, median of each. Prints one markdown row per
+case: both times, the speedup (F.linear / kernel) and the GB/s of W the kernel read. Shapes: a
+Llama-3.2-1B layer (fused qkv, o, fused gate/up, down) and the default pair's target
+(weights/default/target/config.json), n rows of x.
 
     python bench/bench_skinny_linear.py [--quick] [--rows 1,2,4,8,16,32] [--threads 1,2]
                                         [--dtype bfloat16,float32] [--shapes llama1b,default]
@@ -14,27 +15,21 @@ down) and the default pair's target (weights/default/target/config.json), n rows
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import commit_id
+from common import Timer, commit_id
 from inputs import ArgumentParser
 
-from rheo_engine import kernels
 from rheo_engine.machine import isa_line
+from rheo_engine.spec import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # name -> (matrix, [out, in]) of a Llama-3.2-1B layer: hidden 2048, intermediate 8192.
 LLAMA_1B = [("qkv", (4096, 2048)), ("o", (2048, 2048)), ("gate_up", (16384, 2048)),
             ("down", (2048, 8192))]  # fmt: skip
-# Read before each timed call: 2 MiB evicts the L2 of each core (512 KiB on Zen 3) but leaves most
-# of L3, as in a model whose weights share L3 between steps. Read, not written: no dirty lines.
-FLUSH = torch.zeros(2 * 2**20 // 4)
 
 
 # SmolLM2-135M (the smollm2 pair's target): hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64.
@@ -70,24 +65,6 @@ def check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
         raise SystemExit(f"skinny_linear disagrees with x.float() @ w.float().T for {what}")
 
 
-def paired_medians_ms(
-    a: Callable[[], object], b: Callable[[], object], budget_s: float
-) -> tuple[float, float]:
-    """Median ms of a and of b over interleaved calls (a, b, a, b, ...), each after an L2 flush."""
-    a(), b()  # warm-up (first-call allocations, thread pool start)
-    start = time.perf_counter()
-    a(), b()
-    reps = int(min(200, max(5, budget_s / max(time.perf_counter() - start, 1e-9))))
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(reps):
-        for fn, out in ((a, times[0]), (b, times[1])):
-            FLUSH.sum()
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
-
-
 def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="about 0.1 s per case, not 1 s")
@@ -112,7 +89,7 @@ def main() -> None:
         if name not in ("llama1b", "default", "smollm2"):
             parser.error(f"--shapes takes llama1b, default and/or smollm2, got {name!r}")
         shapes += {"llama1b": LLAMA_1B, "smollm2": SMOLLM2}.get(name) or default_pair_shapes()
-    budget_s = 0.1 if args.quick else 1.0
+    timer = Timer("cpu", flush=True, budget_s=0.1 if args.quick else 1.0)
     print(
         f"# skinny_linear bench: cpu={isa_line()} capability="
         f"{torch.backends.cpu.get_cpu_capability()} torch={torch.__version__} "
@@ -133,9 +110,10 @@ def main() -> None:
                 torch.set_num_threads(t)
                 for n in rows:
                     x = x_all[:n]
-                    torch_ms, skinny_ms = paired_medians_ms(
-                        lambda: F.linear(x, w), lambda: kernels.skinny_linear(x, w), budget_s
+                    skinny_us, torch_us = timer.pair(
+                        lambda: kernels.skinny_linear(x, w), lambda: F.linear(x, w)
                     )
+                    torch_ms, skinny_ms = torch_us / 1e3, skinny_us / 1e3
                     gb_per_s = w.numel() * w.element_size() / (skinny_ms * 1e-3) / 1e9
                     print(
                         f"| {dtype_name} | {name} | [{out}, {in_}] | {n} | {t} | {torch_ms:.3f} "

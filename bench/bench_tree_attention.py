@@ -9,29 +9,14 @@ of K/V actually read (2 * B * (prefix_len + N) * Hkv * D * element size per call
 
 from __future__ import annotations
 
-import statistics
-import subprocess
-import time
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
+from common import Timer, conditions, conditions_line, max_abs_diff
 from inputs import ArgumentParser
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 B, N, H, HKV, D = 1, 60, 32, 8, 128
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
-        return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
 
 
 def chain_of_paths_mask(n: int, device: torch.device) -> torch.Tensor:
@@ -55,29 +40,6 @@ def torch_native(q, k, v, tree_mask, prefix_len):
     return out.transpose(1, 2)
 
 
-def median_us(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    for _ in range(max(2, reps // 5)):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
-def check(out: torch.Tensor, exact: torch.Tensor, what: str) -> float:
-    err = (out.float() - exact).abs().max().item()
-    limit = 1e-4 if out.dtype == torch.float32 else 3e-2
-    if not err <= limit:
-        raise SystemExit(f"{what} disagrees with reference.tree_attention_ref: max error {err}")
-    return err
-
-
 def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: int) -> str:
     gen = torch.Generator().manual_seed(prefix_len)
     rows = prefix_len + N
@@ -86,10 +48,13 @@ def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: in
     v = torch.randn(B, rows, HKV, D, generator=gen).to(device, dtype)
     mask = chain_of_paths_mask(N, device)
     exact = reference.tree_attention_ref(q.float(), k.float(), v.float(), mask, prefix_len)
-    check(kernels.tree_attention(q, k, v, mask, prefix_len), exact, "rheo kernel")
-    check(torch_native(q, k, v, mask, prefix_len), exact, "torch SDPA")
-    rheo_us = median_us(lambda: kernels.tree_attention(q, k, v, mask, prefix_len), reps, device)
-    torch_us = median_us(lambda: torch_native(q, k, v, mask, prefix_len), reps, device)
+    limit = 1e-4 if dtype == torch.float32 else 3e-2
+    rheo = lambda: kernels.tree_attention(q, k, v, mask, prefix_len)
+    native = lambda: torch_native(q, k, v, mask, prefix_len)
+    max_abs_diff(rheo(), exact, limit, "the rheo kernel and reference.tree_attention_ref")
+    max_abs_diff(native(), exact, limit, "torch SDPA and reference.tree_attention_ref")
+    timer = Timer(device)
+    rheo_us, torch_us = timer.median_us(rheo, reps), timer.median_us(native, reps)
     bytes_moved = 2 * B * rows * HKV * D * q.element_size()
     gb_per_s = bytes_moved / (rheo_us * 1e-6) / 1e9
     dtype_name = str(dtype).removeprefix("torch.")
@@ -109,11 +74,7 @@ def main() -> None:
         parser.error("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C; use cpu")
     prefixes = [128, 1024] if args.quick else [128, 1024, 4096]
     reps = 5 if args.quick else (50 if device.type == "cpu" else 200)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(
-        f"# tree_attention bench: device={name} torch={torch.__version__} "
-        f"threads={torch.get_num_threads()} build={kernels.build_info()} commit={git_commit()}"
-    )
+    print(conditions_line(conditions("tree_attention", args.device, reps=reps)))
     print("# B, N, H, Hkv, D fixed; tree mask: parent of node i is (i - 1) // 3; GB/s = K/V read")
     print("device,dtype,B,N,H,Hkv,D,prefix_len,rheo_us,torch_us,speedup,rheo_kv_GB_per_s")
     for dtype in (torch.float32, torch.bfloat16):

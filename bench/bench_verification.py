@@ -11,13 +11,12 @@ Usage: python bench/bench_verification.py [--quick]
 from __future__ import annotations
 
 import statistics
-import subprocess
-import time
 
 import torch
+from common import Timer, conditions, conditions_line
 from inputs import ArgumentParser
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 
 def make_tree(V: int, boost: float, N: int = 60, Se: int = 128, seed: int = 7):
@@ -96,28 +95,13 @@ def torch_native(logits, tokens, parents, sampled, q_ids, q_tilde, method, T, se
         node = accepted
 
 
-def median_us(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(ts)
-
-
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     opt = ap.parse_args()
     reps = 5 if opt.quick else 20
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit = "uncommitted"
-    print(f"# device=cpu, torch {torch.__version__}, "
-          f"threads={torch.get_num_threads()}, commit={commit or 'uncommitted'}")  # fmt: skip
+    timer = Timer("cpu")
+    print(conditions_line(conditions("verification", "cpu", reps=reps)))
     print("kernel,dtype,method,N,V,T,mean_accept_len,us_kernel,us_torch_native,speedup,GB_per_s")
     for V, boost in [(32000, 12.0), (128256, 13.5)]:
         for dtype in (torch.float32, torch.bfloat16):
@@ -134,11 +118,11 @@ def main() -> None:
                     assert int(out.bonus_token[0]) == bonus
                     lens.append(n)
                 steps = iter(range(10**9))
-                us_k = median_us(
+                us_k = timer.median_us(
                     lambda: kernels.verification(*args, method, T, seed=1, step=next(steps)), reps
                 )
                 steps = iter(range(10**9))
-                us_t = median_us(lambda: torch_native(*args, method, T, 1, next(steps)), reps)
+                us_t = timer.median_us(lambda: torch_native(*args, method, T, 1, next(steps)), reps)
                 mean_len = statistics.mean(lens)
                 gbs = mean_len * V * args[0].element_size() / us_k * 1e-3
                 name = str(dtype).removeprefix("torch.")

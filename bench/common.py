@@ -1,9 +1,11 @@
-"""Shared pieces of the end-to-end benches (e2e.py, table4.py, ablations.py).
+"""Shared pieces of the benches: the end-to-end ones (e2e.py, table4.py, ablations.py) and the
+kernel ones (bench_*.py).
 
-The conditions line (commit, hardware, versions), an interleaved runner that gives every
-configuration the same questions in rotating order (so machine drift hits all alike), the tau /
-tokens / tokens-per-second / speedup summary, and JSON / markdown output. What the benches read
-(flags, pairs, question sets) and its checks are in inputs.py.
+The conditions line (commit, hardware, versions), the kernel benches' timer and their checks
+against a reference, an interleaved runner that gives every configuration the same questions in
+rotating order (so machine drift hits all alike), the tau / tokens / tokens-per-second / speedup
+summary, and JSON / markdown output. What the benches read (flags, pairs, question sets) and its
+checks are in inputs.py.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 from inputs import ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rheo_engine import Engine, kernels
-from rheo_engine.engine import Generation
+from rheo_engine import Engine
 from rheo_engine.machine import isa_line
+from rheo_engine.runtime.engine import Generation
+from rheo_engine.spec import kernels
 
 METHODS: tuple[str, ...] = ("ar", "topk", "rrsw", "rheo")
 
@@ -151,7 +154,10 @@ def commit_id() -> str:
 
 def hardware(device: str) -> str:
     """The GPU name for cuda, else the CPU model and the vector extensions that decide which
-    code runs (AVX2 / AVX-512 / AVX-512-BF16 / AMX): numbers move a lot between those."""
+    code runs (AVX2 / AVX-512 / AVX-512-BF16 / AMX): numbers move a lot between those. A list
+    ("cpu,cuda", a bench that runs on both) names each, joined by " + "."""
+    if "," in device:
+        return " + ".join(hardware(d) for d in device.split(","))
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     return isa_line()
@@ -180,6 +186,104 @@ def _short(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return ",".join(str(x) for x in v)
     return str(v).replace(" ", "_")
+
+
+# --- kernel benches: the timer and the checks ------------------------------------------------
+
+
+class Timer:
+    """Median µs of callables on one device, the clock of every kernel bench.
+
+    Each timed call starts on an idle device (CUDA: synchronized first) and is measured by CUDA
+    events on a GPU, so that the launch latency counts as it does in a decode step, or by
+    perf_counter on the CPU. With ``flush``, a buffer is touched before each call so that no
+    call finds the last one's data in cache: on a GPU twice its L2, written; on the CPU 2 MiB,
+    read (it evicts each core's L2, 512 KiB on Zen 3, but leaves most of L3, as a model's weights
+    would share it between steps; read, not written, so the timed call has no dirty lines to
+    write back). ``median_us`` times one callable after a warm-up; ``pair`` times two,
+    interleaved, for about ``budget_s`` seconds (a pilot pair sizes the repeats, 5 to
+    ``max_pairs``).
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        flush: bool = False,
+        budget_s: float = 1.0,
+        max_pairs: int = 200,
+    ) -> None:
+        self.device, self.budget_s, self.max_pairs = torch.device(device), budget_s, max_pairs
+        self.cuda = self.device.type == "cuda"
+        self.flush_buf: torch.Tensor | None = None
+        if flush and self.cuda:
+            props = torch.cuda.get_device_properties(self.device)
+            l2 = getattr(props, "L2_cache_size", 0) or 2**26
+            self.flush_buf = torch.empty(2 * l2 // 4, dtype=torch.float32, device=self.device)
+        elif flush:
+            self.flush_buf = torch.zeros(2 * 2**20 // 4)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def once_us(self, fn: Callable[[], object]) -> float:
+        """One call of ``fn``, in µs (after the flush, when the timer has one)."""
+        if self.flush_buf is not None:
+            if self.cuda:
+                self.flush_buf.zero_()
+            else:
+                self.flush_buf.sum()
+        self.sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e3
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+    def median_us(self, fn: Callable[[], object], reps: int, warmup: int | None = None) -> float:
+        """Median µs of ``reps`` calls after ``warmup`` untimed ones (default max(3, reps // 10):
+        first-call allocations, lazy module loads, the thread pool's start)."""
+        for _ in range(max(3, reps // 10) if warmup is None else warmup):
+            fn()
+        return statistics.median(self.once_us(fn) for _ in range(reps))
+
+    def pair(self, ours: Callable[[], object], theirs: Callable[[], object]) -> tuple[float, float]:
+        """Median µs of ``ours`` and of ``theirs``, interleaved (ours, theirs, theirs, ours, ...)
+        so that drift and the order of the calls hit both alike."""
+        for _ in range(3):  # warm-up: allocations, cuBLAS/SDPA heuristics, lazy module loads
+            ours(), theirs()
+        self.sync()
+        t0 = time.perf_counter()
+        self.once_us(ours), self.once_us(theirs)  # a pilot pair sizes the repeats
+        pilot_s = max(time.perf_counter() - t0, 1e-6)
+        pairs = int(min(self.max_pairs, max(5, self.budget_s / pilot_s)))
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(pairs):
+            order = ((ours, times[0]), (theirs, times[1]))
+            for fn, out in order if i % 2 == 0 else order[::-1]:
+                out.append(self.once_us(fn))
+        return statistics.median(times[0]), statistics.median(times[1])
+
+
+def check_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """A kernel's exact output against its reference, before any timing: SystemExit naming
+    ``what`` unless the two have the same shape and values (torch.equal, on the CPU)."""
+    if not torch.equal(got.cpu(), want.cpu()):
+        raise SystemExit(f"{what} differ")
+
+
+def max_abs_diff(got: torch.Tensor, want: torch.Tensor, limit: float, what: str) -> float:
+    """max |got - want| in float32, checked before any timing: SystemExit naming ``what`` when
+    it is over ``limit`` (or NaN). Returns it, for the bench's check column."""
+    err = (got.float() - want.float()).abs().max().item()
+    if not err <= limit:
+        raise SystemExit(f"{what} differ by {err:.3g} (max abs), over {limit:g}")
+    return err
 
 
 # --- the interleaved runner -----------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 from common import (
     METHODS,
     conditions,
@@ -44,9 +43,8 @@ from inputs import (
     cli,
     cut_line,
     fit_prompts,
-    load_engine,
+    load_pair,
     prompt_texts,
-    resolve_pair,
     tree_options,
 )
 
@@ -96,11 +94,9 @@ def table(
 
 def run(args: argparse.Namespace) -> dict:
     """Load, check every argument, run, print, write; returns the JSON payload."""
-    torch.set_num_threads(args.threads)
     with checking():  # every bad input fails here, before any generation
         kind, texts = prompt_texts(args)
-        target, draft = resolve_pair(args.pair, args.target, args.draft)
-        engine = load_engine(target, draft, args.device, args.dtype)
+        target, draft, engine = load_pair(args)
         tree = tree_options(args)
         configs = {m: dict(method=m, temperature=args.temperature, **tree) for m in args.methods}
         check_unique(args.methods, "--methods")

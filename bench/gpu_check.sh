@@ -9,7 +9,7 @@
 # Steps (cap in seconds; what they took is in the table):
 #   preflight      60  python modules, torch's CUDA, nvcc and ninja (what a fresh machine lacks)
 #   build         300  FORCE_CUDA=1 pip install --no-build-isolation --no-deps --no-index -e .
-#   has_cuda       30  rheo_engine.info; the extension holds the CUDA kernels, torch sees the GPU
+#   has_cuda       30  rheo_engine.entrypoints.info; the extension holds the CUDA kernels, torch sees the GPU
 #   widen          90  weights/default -> WIDENED (a ~1B-parameter Llama-3.2-1B-shaped pair with
 #                      the default pair's outputs; reused when complete), in the background
 #                      while the CUDA tests run (it needs the built extension, not the GPU)
@@ -194,8 +194,8 @@ if missing:
 if step build 300 env FORCE_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" PIP_DISABLE_PIP_VERSION_CHECK=1 \
         "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .; then
     [ "$DRY" = 1 ] || fig "$(log_of build | grep -m 1 -o 'rheo_engine._C: .*')"
-    step has_cuda 30 "$PY" -c "import torch; from rheo_engine import kernels; \
-from rheo_engine.info import info_lines; print('\n'.join(info_lines())); \
+    step has_cuda 30 "$PY" -c "import torch; from rheo_engine.spec import kernels; \
+from rheo_engine.entrypoints.info import info_lines; print('\n'.join(info_lines())); \
 assert kernels.has_cuda(), 'extension built without CUDA: ' + kernels.build_info(); \
 assert torch.cuda.is_available(), 'torch sees no GPU'"
     BUILT=$?

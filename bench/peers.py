@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import conditions, conditions_line, markdown_table, write_outputs
+from common import Timer, conditions, conditions_line, markdown_table, write_outputs
 from inputs import (
     ArgumentParser,
     add_model_args,
@@ -34,9 +34,8 @@ from inputs import (
     checking,
     cli,
     fit_prompts,
-    load_engine,
+    load_pair,
     prompt_texts,
-    resolve_pair,
 )
 
 from rheo_engine.io.gguf import is_gguf, read_gguf
@@ -145,11 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
     with checking():
         kind, texts = prompt_texts(args)
-        target, draft = resolve_pair(args.pair, args.target, args.draft)
-        engine = load_engine(target, draft, args.device, args.dtype)
+        target, draft, engine = load_pair(args)
         prompts, fit = fit_prompts(engine, texts, args.chat, args.max_new_tokens, 60)
     systems: dict[str, Any] = {}
     if is_gguf(target):
@@ -221,13 +218,7 @@ def run(args: argparse.Namespace) -> dict:
 def read_bandwidth_gbs(threads: int, mib: int = 512) -> float:
     """GB/s of one pass over a buffer much larger than the caches (median of 5 float32 sums)."""
     x = torch.ones(mib * 2**20 // 4)
-    x.sum()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / Timer("cpu").median_us(x.sum, 5, warmup=1) / 1e3
 
 
 def weight_bytes(engine) -> int:

@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python bench/serve_overhead.py                 # default pair, 64 tokens
     OMP_NUM_THREADS=1 python bench/serve_overhead.py --runs 30 --max-tokens 128
 
-One process: the server (rheo_engine.serve on uvicorn, in a thread) over the same engine that
-the direct calls use, and a plain http.client client. Each round times the same seeded
+One process: the server (rheo_engine.entrypoints.serve on uvicorn, in a thread) over the same
+engine that the direct calls use, and a plain http.client client. Each round times the same seeded
 temperature-0 request three ways, interleaved (direct, HTTP whole, HTTP streamed), and the
 overhead is the median over rounds of (HTTP time / direct time of that round) - 1 (the
 machine is shared, absolute times drift). The client shares the server's GIL, so this
@@ -28,9 +28,9 @@ import torch
 import uvicorn
 from common import commit_id
 
-from rheo_engine.engine import Engine
-from rheo_engine.scheduler import Scheduler
-from rheo_engine.serve import Server
+from rheo_engine.entrypoints.serve import Server
+from rheo_engine.runtime.engine import Engine
+from rheo_engine.runtime.scheduler import Scheduler
 
 PROMPT = "def quicksort(xs):"
 

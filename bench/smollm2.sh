@@ -20,7 +20,7 @@ run python bench/bench_skinny_linear.py --shapes smollm2 --dtype bfloat16 --thre
 for T in 0 1; do
   run python -m rheo_engine.generate --pair smollm2 --prompt "Say hi." --max-new-tokens 8 \
     --temperature "$T" --threads 1 --cost-profile "$OUT/profile_T$T.json" > /dev/null
-  run python -m rheo_engine.tree_policy "$OUT/profile_T$T.json" | tee "$OUT/break_even_T$T.md"
+  run python -m rheo_engine.runtime.tree_policy "$OUT/profile_T$T.json" | tee "$OUT/break_even_T$T.md"
 done
 
 # 3. The goals: default options (auto tree), MT-bench + HumanEval + GSM8K, ar vs the drafters.

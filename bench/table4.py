@@ -42,10 +42,11 @@ from inputs import (
     resolve_pair,
 )
 
-from rheo_engine import Engine, kernels
+from rheo_engine import Engine
 from rheo_engine.config import SamplingConfig, TreeConfig
-from rheo_engine.draft import draft_tree
-from rheo_engine.verify import verify_law
+from rheo_engine.spec import kernels
+from rheo_engine.spec.draft import draft_tree
+from rheo_engine.spec.verify import verify_law
 
 VERIFY_METHODS: tuple[str, ...] = ("topk", "rrsw", "rheo")
 POOL = 3  # n: top-1, sampled, best of the rest

@@ -1,6 +1,6 @@
 """Throughput of many requests at once (docs/batching.md): generated tokens per second over all
 requests, at each concurrency, for ar and rheo, served by the engine's Scheduler (continuous
-batching: rheo_engine.batch); and each request's latency (submit to its last token).
+batching: rheo_engine.runtime.decoder); and each request's latency (submit to its last token).
 
     python bench/throughput.py --pair default --threads 2 --rounds 3
     python bench/throughput.py --pair widened --threads 2 --rounds 3 \
@@ -39,7 +39,7 @@ from inputs import (
     resolve_pair,
 )  # fmt: skip
 
-from rheo_engine.scheduler import Scheduler
+from rheo_engine.runtime.scheduler import Scheduler
 
 FALLBACK = [
     "def quicksort(xs):", "class Stack:\n", "Once upon a time, there was a little girl",

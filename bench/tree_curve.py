@@ -20,7 +20,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
 from common import (
     commit_id,
     conditions,
@@ -40,9 +39,8 @@ from inputs import (
     cli,
     cut_line,
     fit_prompts,
-    load_engine,
+    load_pair,
     prompt_texts,
-    resolve_pair,
 )
 
 SIZES = (2, 4, 8, 16, 32, 60)
@@ -118,11 +116,9 @@ def plot(curve: dict[str, dict], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
     with checking():
         kind, texts = prompt_texts(args)
-        target, draft = resolve_pair(args.pair, args.target, args.draft)
-        engine = load_engine(target, draft, args.device, args.dtype)
+        target, draft, engine = load_pair(args)
         grid = configs(args.method, args.temperature)
         prompts, fit = fit_prompts(engine, texts, False, args.max_new_tokens, max(SIZES))
         check_output(args.out, "--out")

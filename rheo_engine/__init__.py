@@ -11,9 +11,9 @@ __all__ = ["Engine", "Generation"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that `import rheo_engine.kernels` does not load the model code.
+    # Lazy, so that `import rheo_engine.spec.kernels` does not load the model code.
     if name in __all__:
-        from rheo_engine import engine
+        from rheo_engine.runtime import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'rheo_engine' has no attribute {name!r}")

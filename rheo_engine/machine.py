@@ -91,3 +91,22 @@ def write_kept(path: Path | None, value: Any) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+# --- the CPU thread default ------------------------------------------------------------------
+
+# Measured 2026-12-01 on this project's 2-core machine while a training job kept one core busy
+# (the case to handle: a shared machine), bf16 Llamas with random weights, 1 vs 2 threads, the
+# median of interleaved runs. One decode token: 7.2 vs 45 ms at 7.8M parameters, 19 vs 323 ms at
+# 27M, 37 vs 229 ms at 84M, 87 vs 1068 ms at 192M, 361 vs 1328 ms at 755M; the quick start
+# (`--prompt "def quicksort(xs):" --max-new-tokens 64 --temperature 0`, default pair, 6.9M)
+# ran at 14.0-22.2 tokens/s with --threads 1 and 2.8-4.2 with --threads 2. A small model is
+# bound by per-operator overhead, and OpenMP threads spin when their core is shared, so one
+# thread won at every size measured. Above 1B parameters (not measured here) a matmul's work
+# dwarfs that overhead and free cores pay, so the default there is torch's.
+ONE_THREAD_BELOW_PARAMS = 10**9
+
+
+def default_threads(n_params: int) -> int:
+    """Torch CPU threads for a target of ``n_params`` weights when none are asked for."""
+    return 1 if n_params < ONE_THREAD_BELOW_PARAMS else torch.get_num_threads()

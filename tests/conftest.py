@@ -149,7 +149,7 @@ def engine32():
     import torch
 
     from rheo_engine import Engine
-    from rheo_engine.engine import DEFAULT_PAIR
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
 
     return Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft",
                                   dtype=torch.float32)  # fmt: skip
@@ -160,7 +160,7 @@ def hf_target():
     """HF transformers' LlamaForCausalLM over the default target's files, in fp32."""
     import torch
 
-    from rheo_engine.engine import DEFAULT_PAIR
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
 
     transformers = pytest.importorskip("transformers")
     return transformers.LlamaForCausalLM.from_pretrained(DEFAULT_PAIR / "target",
@@ -191,9 +191,9 @@ def write_tiny_pair(out: Path, context: int = TINY_CONTEXT, seed: int = 0) -> tu
     import torch
 
     from rheo_engine.config import ModelConfig
-    from rheo_engine.engine import DEFAULT_PAIR
     from rheo_engine.io.weights import save_safetensors
     from rheo_engine.models.llama import expected_shapes
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
 
     target = out / "target"
     target.mkdir(parents=True)

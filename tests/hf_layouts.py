@@ -24,8 +24,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 LLAMA31_TEMPLATE = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}

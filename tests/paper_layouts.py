@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from test_eagle3_layouts import authors_config, specforge_config, write_head
 
-from rheo_engine.io.convert_eagle3 import main as convert_main
+from rheo_engine.io.convert import main as convert_main
 from rheo_engine.io.weights import save_safetensors
 
 # The shrunk sizes: 8 layers so that EAGLE's default feature layers (2, N//2, N-3) = (2, 4, 5)
@@ -263,7 +263,7 @@ def write_heads(target: Path, out: Path, vocab: int | None = None, hidden: int =
     w = head_weights(vocab, Vd, favoured_ids(config | {"vocab_size": vocab}), hidden)
     authors = head_config("authors", config, vocab, Vd, hidden)
     src = write_head(out / "authors_src", authors, w, bin_file=True)
-    if convert_main([str(src), str(out / "authors")]) != 0:
+    if convert_main(["eagle3", str(src), str(out / "authors")]) != 0:
         raise RuntimeError(f"python -m rheo_engine.io.convert eagle3 {src} failed")
     specforge = head_config("specforge", config, vocab, Vd, hidden)
     return {"authors_src": src, "authors": out / "authors",

@@ -1,5 +1,6 @@
-"""Batched decoding (rheo_engine.batch): a request gives the same tokens alone and in a batch of
-requests of other lengths, temperatures, methods and controls; ragged KV commits; sequences that
+"""Batched decoding (rheo_engine.runtime.decoder): a request gives the same tokens alone and in a
+batch of requests of other lengths, temperatures, methods and controls; ragged KV commits; sequences
+that
 join and leave between steps; the explicit batch API ``engine.generate([...])``; the errors.
 Losslessness of the batched step is tests/test_batch_lossless.py."""
 
@@ -8,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rheo_engine.batch import BatchDecoder
-from rheo_engine.kv_cache import SlotPool
+from rheo_engine.models.kv_cache import SlotPool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # A small fixed tree (quick on CPU); tree="fixed" so that alone and in a batch draft the same
-# trees (near its end a sequence's tree is cut to what it still wants, as alone: batch.py).
+# trees (near its end a sequence's tree is cut to what it still wants, as alone: decoder.py).
 TREE = dict(tree="fixed", topk=4, depth=3, total_tokens=12)
 
 REQUESTS = [
@@ -32,7 +32,7 @@ def _solo(engine, prompt, options, n=48):
 
 def test_a_request_gives_its_solo_tokens_in_a_batch(engine32) -> None:
     solo = [_solo(engine32, p, o) for p, o in REQUESTS]
-    decoder = BatchDecoder(engine32, max_batch=4)
+    decoder = engine32.decoder(max_batch=4)
     requests = [engine32.request(p, 48, ignore_eos=True, **TREE, **o) for p, o in REQUESTS]
     batched = decoder.run(requests)
     for alone, together in zip(solo, batched, strict=True):
@@ -46,10 +46,10 @@ def test_a_request_gives_its_solo_tokens_in_a_batch(engine32) -> None:
 def test_order_and_company_do_not_change_a_request(engine32) -> None:
     """The same request (seeded) in two different batches, at different batch positions."""
     target = REQUESTS[2]
-    a = BatchDecoder(engine32, 4).run(
+    a = engine32.decoder(4).run(
         [engine32.request(p, 48, ignore_eos=True, **TREE, **o) for p, o in REQUESTS[1:3]]
     )[1]
-    b = BatchDecoder(engine32, 4).run(
+    b = engine32.decoder(4).run(
         [engine32.request(p, 48, ignore_eos=True, **TREE, **o) for p, o in (target, REQUESTS[0])]
     )[0]
     assert a.token_ids == b.token_ids
@@ -72,7 +72,7 @@ def test_more_requests_than_slots_join_as_others_leave(engine32) -> None:
     prompts = [p for p, _ in REQUESTS] + ["A bird", "The sun was hot and"]
     lengths = [5, 30, 9, 17, 3, 22]
     options = [dict(temperature=1.0, seed=10 + i, ignore_eos=True, **TREE) for i in range(6)]
-    decoder = BatchDecoder(engine32, max_batch=3)
+    decoder = engine32.decoder(max_batch=3)
     requests = [
         engine32.request(p, n, **o) for p, n, o in zip(prompts, lengths, options, strict=True)
     ]
@@ -106,8 +106,8 @@ def test_batch_errors_are_one_line(default_engine) -> None:
     with pytest.raises(ValueError, match="batch of prompts is empty"):
         default_engine._generate_batch([], 4)
     with pytest.raises(ValueError, match="max_batch=0"):
-        BatchDecoder(default_engine, max_batch=0)
-    decoder = BatchDecoder(default_engine, max_batch=1, max_len=16)
+        default_engine.decoder(max_batch=0)
+    decoder = default_engine.decoder(max_batch=1, max_len=16)
     with pytest.raises(ValueError, match=r"needs 2\d rows .* max_len=16"):
         decoder.admit(default_engine.request("Once upon a time", 20))
 

@@ -1,11 +1,11 @@
-"""Losslessness of the batched step (rheo_engine.batch, docs/batching.md §5), proven as for one
-sequence (tests/test_lossless.py), with four sequences drafted and verified together.
+"""Losslessness of the batched step (rheo_engine.runtime.decoder, docs/batching.md §5), proven as
+for one sequence (tests/test_lossless.py), with four sequences drafted and verified together.
 
 1. Exact, whole small trees, B = 4: four n-gram sequences of different histories, context
    lengths (prefix_len), temperatures and controls are drafted in ONE ``draft_tree`` call with
-   per-sequence coins (draft.SequenceCoins, as batch.py passes them), every sampled token of
+   per-sequence coins (draft.SequenceCoins, as decoder.py passes them), every sampled token of
    every sequence enumerated jointly; each entry is verified on its own row of the tree against
-   the shared q~ table, as batch.py does. Each entry's law of emitted tokens equals its own
+   the shared q~ table, as decoder.py does. Each entry's law of emitted tokens equals its own
    target law within 1e-12, and the entries are independent (the joint law of every pair is
    the product of its marginals). Negative controls: entries verified against their
    neighbour's root row of the q~ table (same history, other temperature), and the broken
@@ -34,10 +34,10 @@ from test_lossless import (
     target_law,
 )  # fmt: skip
 
-from rheo_engine.batch import BatchDecoder, _row
 from rheo_engine.config import SamplingConfig, TreeConfig
-from rheo_engine.draft import DraftTree, SequenceCoins, draft_tree, pool_kind
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
+from rheo_engine.spec.draft import DraftTree, SequenceCoins, draft_tree, pool_kind
+from rheo_engine.spec.step import _entry_tree as _row
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,7 +69,7 @@ CASES = {
     "topk": (("topk",) * 4, SAMPLED),
     "rrsw": (("rrsw",) * 4, ONE_GREEDY),
     "rheo": (("rheo",) * 4, ONE_GREEDY),
-    "mixed": (("rheo", "rrsw", "topk", "rheo"), SAMPLED),  # a group may mix methods (batch.py)
+    "mixed": (("rheo", "rrsw", "topk", "rheo"), SAMPLED),  # a group may mix methods (decoder.py)
 }
 
 
@@ -94,7 +94,7 @@ def batch_laws(methods, samplings, histories, wrong_rows: int = 0, tree=CFG, dra
     B = len(ENTRIES)
     hist = torch.tensor(histories, dtype=torch.int32)
     prefix = torch.tensor([n for _, n in ENTRIES], dtype=torch.int32)
-    # batch.py: the step's tree config is its first sequence's; each entry its own pool kind.
+    # decoder.py: the step's tree config is its first sequence's; each entry its own pool kind.
     cfg = TreeConfig(methods[0], **tree)
     coins = [
         SequenceCoins(s.temperature, pool_kind(m, s.temperature), seed=100 + b, step=3)
@@ -116,7 +116,7 @@ def batch_laws(methods, samplings, histories, wrong_rows: int = 0, tree=CFG, dra
         logits, _ = NGramTarget(TARGET, hist).forward_tree(tree)  # [B, N, V]: one forward
         table = rotate_level0(dt, wrong_rows) if wrong_rows else dt
         per_entry = []
-        for b in range(B):  # batch.py's verification: entry b's row, the shared q~ table
+        for b in range(B):  # decoder.py's verification: entry b's row, the shared q~ table
             tree_b = DraftTree(_row(tree, b), table.q_tilde_ids, table.q_tilde)
             law_b = step_law(tree_b, logits[b : b + 1], methods[b], samplings[b])
             per_entry.append(law_b)
@@ -205,7 +205,7 @@ MC_REQUESTS = [
 ]
 MC_RUNS = 300  # batches; each gives one sample per request
 # A small fixed tree: depth 2 decides the first two tokens (test_engine.G_TREE); asking for
-# depth + 1 tokens keeps the first step's tree whole (loop.fit_tree cuts it to what is wanted).
+# depth + 1 tokens keeps the first step's tree whole (step.fit_tree cuts it to what is wanted).
 MC_TREE = dict(tree="fixed", topk=4, depth=2, total_tokens=6)
 
 
@@ -215,7 +215,7 @@ def batch_samples(engine32):
     of MC_RUNS batched runs (distinct seeds), all four requests decoded together every run."""
     prompts = [engine32.tokenizer.encode(p) for p, *_ in MC_REQUESTS]
     assert len({len(ids) for ids in prompts}) == len(prompts)
-    decoder = BatchDecoder(engine32, max_batch=4, max_len=64)
+    decoder = engine32.decoder(max_batch=4, max_len=64)
     pairs = [[] for _ in MC_REQUESTS]
     accepts = [[] for _ in MC_REQUESTS]
     for run in range(MC_RUNS):
@@ -271,7 +271,7 @@ def test_batch_of_four_gives_solo_tokens_with_eos(engine32):
     tokens and stop reason it gets alone with the same seed."""
     solo = [engine32.generate(p, 32, **SOLO_TREE, **o) for p, o in SOLO_REQUESTS]
     requests = [engine32.request(p, 32, **SOLO_TREE, **o) for p, o in SOLO_REQUESTS]
-    batched = BatchDecoder(engine32, max_batch=4).run(requests)
+    batched = engine32.decoder(max_batch=4).run(requests)
     for alone, together in zip(solo, batched, strict=True):
         assert together.token_ids == alone.token_ids
         assert together.stop_reason == alone.stop_reason

@@ -22,19 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rheo_engine.engine import DEFAULT_PAIR, Engine, Request
-from rheo_engine.generate import (
-    API_OPTIONS,
-    ONE_THREAD_BELOW_PARAMS,
-    cli_spelling,
-    default_threads,
-    flag,
-    main,
-    parser,
-)
+from rheo_engine.entrypoints.generate import API_OPTIONS, cli_spelling, flag, main, parser
 from rheo_engine.io.convert import main as convert_main
-from rheo_engine.io.convert_eagle3 import main as convert_eagle3_main
+from rheo_engine.machine import ONE_THREAD_BELOW_PARAMS, default_threads
 from rheo_engine.models.eagle3 import Eagle3Head
+from rheo_engine.runtime.engine import DEFAULT_PAIR, Engine, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft"
@@ -99,7 +91,7 @@ def test_seeds_outside_the_range_are_one_line_errors(capsys, seed):
 def test_every_api_option_is_a_flag():
     """API_OPTIONS (what cli_spelling translates) are exactly the options of the API calls the
     CLI makes, and each is a flag of the parser under the same name."""
-    request = set(inspect.signature(Request.__init__).parameters) - {"self", "engine", "prompt"}
+    request = set(inspect.signature(Request.__init__).parameters) - {"self", "ctx", "prompt", "run"}
     loading = set(inspect.signature(Engine.from_pretrained).parameters) - {"cls"}
     assert set(API_OPTIONS) == request | loading
     flags = {s for action in parser()._actions for s in action.option_strings}
@@ -126,6 +118,18 @@ def test_every_api_option_is_a_flag():
         ("head target_hidden_size=16 != 32", "head target_hidden_size=16 != 32"),
         ("1 + topk + (depth - 1) * topk^2", "1 + topk + (depth - 1) * topk^2"),
         ("line one\nline two", "line one line two"),
+        # The chat templates' prose (io/tokenizer.py); a JSON file's field stays as it is.
+        ("D has no chat template (no chat_template in tokenizer_config.json, no "
+         "chat_template.jinja) and no built-in fits its vocabulary; pass template= one of "
+         "vicuna_v1.1, llama-3, or use encode",
+         "D has no chat template (no chat_template in tokenizer_config.json, no "
+         "chat_template.jinja) and no built-in fits its vocabulary; pass --chat-template with one "
+         "of vicuna_v1.1, llama-3, or drop --chat"),
+        ("chat template 'llama-3' needs a tiktoken tokenizer, but T is sentencepiece; use "
+         "'vicuna_v1.1'", "--chat-template llama-3 needs a tiktoken tokenizer, but T is "
+                          "sentencepiece; use --chat-template vicuna_v1.1"),
+        # Alternatives: both flags, the slash kept.
+        ("pass pair= or target=/draft=, not both", "pass --pair or --target/--draft, not both"),
     ],
 )  # fmt: skip
 def test_cli_spelling(api, cli):
@@ -307,7 +311,7 @@ def test_thread_default_and_report(capsys):
 
 def _generate(*argv: str, **popen) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "rheo_engine.generate", "--method", "ar", *argv]
+    cmd = [sys.executable, "-m", "rheo_engine.entrypoints.generate", "--method", "ar", *argv]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, **popen)
 
 
@@ -397,8 +401,8 @@ def test_converter_errors_are_one_line(capsys, tmp_path):
          "EAGLE-3 head directory not found"),
         (convert_main, ["bogus"], "invalid choice: 'bogus'"),
         (convert_main, ["llama2c"], "the following arguments are required"),
-        (convert_eagle3_main, [str(DRAFT), str(tmp_path)], "exists and is not empty"),
-        (convert_eagle3_main, [], "the following arguments are required"),
+        (convert_main, ["eagle3", str(DRAFT), str(tmp_path)], "exists and is not empty"),
+        (convert_main, ["eagle3"], "the following arguments are required"),
     ]  # fmt: skip
     for cli, argv, says in cases:
         assert cli(argv) == 2
@@ -455,7 +459,12 @@ def test_json_logprobs_and_sampling_sources(capsys):
         (["--min-p", "1"], "--min-p 1.0 must be in [0, 1)"),
         (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be > 0"),
         (["--presence-penalty", "nan"], "--presence-penalty nan must be a finite number"),
-        (["--stop", ""], "would match before any text"),
+        (
+            ["--stop", ""],
+            '--stop "" would match before any text; omit --stop for no stop '
+            "strings, or give it non-empty text",
+        ),
+        (["--stop", "a", "--stop", ""], '--stop "" would match before any text'),
         (["--min-new-tokens", "9"], "--min-new-tokens 9 exceeds --max-new-tokens 4"),
         (["--top-logprobs", "2", "--json"], "--top-logprobs 2 needs --logprobs"),
         (["--logprobs"], "--logprobs is reported in the JSON output only; add --json"),
@@ -465,3 +474,57 @@ def test_bad_controls_in_cli_spelling(capsys, argv, says):
     code, out, err = run(capsys, "--prompt", PROMPT, *FEW, *argv)
     assert code == 2 and not out
     assert says in one_error_line(err)
+
+
+# --- every flag that mirrors an API option is named as typed --------------------------------
+
+# (argv, what the one line says): the flag as the user typed it, never the Python keyword
+# (max_new_tokens=), a Python value (None, True) or an API-only remedy (use encode).
+FLAGS_AS_TYPED = [
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1 must be >= 1"),
+    (["--min-new-tokens", "-1"], "--min-new-tokens -1 must be >= 0"),
+    (["--top-k", "-1"], "--top-k -1 must be >= 0; use 0 to disable"),
+    (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--min-p", "-1"], "--min-p -1.0 must be in [0, 1)"),
+    (["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0 (0 = greedy)"),
+    (["--temperature", "nan"], "--temperature nan must be a finite number"),
+    (["--frequency-penalty", "inf"], "--frequency-penalty inf must be a finite number"),
+    (["--repetition-penalty", "-1"], "--repetition-penalty -1.0 must be > 0"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--seed", "-2"], "--seed -2 is outside [0, 2**64)"),
+    (["--top-k", "1.5"], "argument --top-k: invalid int value: '1.5'"),
+    (["--top-logprobs", "21", "--logprobs", "--json"], "--top-logprobs 21 must be <= 20"),
+    (["--topk", "-1"], "--topk -1 must be >= 1"),
+    (["--topk", "300"], "--support 128 < --topk 300"),
+    (["--leads", "-1"], "--leads -1 must be in [0, --topk 10)"),
+    (["--stop", ""], '--stop "" would match before any text; omit --stop'),
+    (["--chat-template", "bogus"], "--chat-template bogus is for chat prompts; pass --chat"),
+    (["--chat", "--chat-template", "bogus"], "--chat-template bogus is unknown; known: "
+                                             "vicuna_v1.1, llama-3 (base models take raw text: "
+                                             "drop --chat)"),
+    (["--chat", "--chat-template", "llama-3"], "--chat-template llama-3 needs a tiktoken "
+                                               "tokenizer, but "),
+    (["--chat", "--chat-template", "llama-3"], "; use --chat-template vicuna_v1.1"),
+    (["--cost-profile", "/"], "--cost-profile / is a directory; pass the path of a JSON file"),
+    (["--cost-profile", "/nowhere/profile.json"], "--cost-profile /nowhere/profile.json: "
+                                                  "folder /nowhere not found"),
+    (["--cost-profile", str(TARGET / "config.json")], f"--cost-profile {TARGET}/config.json: "
+                                                      "cannot read it"),
+    (["--pair", "default", "--target", str(TARGET)], "--pair default names a target and a "
+                                                     "head; pass --pair or --target/--draft, "
+                                                     "not both"),
+    (["--device", "cuda:7"], "--device cuda:7 is not available"),
+]  # fmt: skip
+_PYTHON_SPELLING = re.compile(
+    rf"(?<![\w-])({'|'.join(n for n in API_OPTIONS if '_' in n)})(?![\w-])|\bNone\b|\bTrue\b"
+    r"|use encode|template="
+)
+
+
+@pytest.mark.parametrize("argv, says", FLAGS_AS_TYPED, ids=[" ".join(a) for a, _ in FLAGS_AS_TYPED])
+def test_flags_are_named_as_typed(capsys, argv, says):
+    code, out, err = run(capsys, "--prompt", PROMPT, *FEW, *argv)
+    line = one_error_line(err)
+    assert code == 2 and not out and says in line, line
+    assert not _PYTHON_SPELLING.search(line), line

@@ -1,7 +1,7 @@
 """The end of the context and of max_new_tokens: every method emits as many tokens as ``ar``.
 
 Near the end each step's tree shrinks to the rows left in the context and to the tokens still
-wanted (loop.fit_tree), then plain steps finish, so a speculative method never stops early.
+wanted (step.fit_tree), then plain steps finish, so a speculative method never stops early.
 The sweeps run a tiny random fp32 Llama with a 48-token context and a fresh EAGLE-3 head over
 prompt lengths from 1 to the context (all of the last tree-size positions) and several
 max_new_tokens; one check runs the real default pair at the end of its own context.
@@ -18,8 +18,8 @@ from conftest import TINY_CONTEXT as CONTEXT
 
 from rheo_engine import Engine
 from rheo_engine.config import TreeConfig
-from rheo_engine.engine import DEFAULT_PAIR
-from rheo_engine.loop import fit_tree
+from rheo_engine.runtime.engine import DEFAULT_PAIR
+from rheo_engine.spec.step import fit_tree
 
 TREE = dict(topk=2, depth=3, total_tokens=8)
 # topk=1, leads=0: each pool is the sampled token alone, so the tree is a chain; with a
@@ -166,8 +166,8 @@ def test_default_pair_runs_to_the_end_of_its_context():
 def test_auto_tree_emits_as_many_tokens_as_ar(tiny):
     """The cost model's trees (made to look free, so every step drafts) are cut to the context
     and to max_new_tokens too."""
-    from rheo_engine.draft import pool_kind
-    from rheo_engine.tree_policy import CostProfile, profile_key
+    from rheo_engine.runtime.tree_policy import CostProfile, profile_key
+    from rheo_engine.spec.draft import pool_kind
 
     key = profile_key(
         tiny.target.cfg, tiny.head.cfg, tiny.target.device, tiny.target.dtype,

@@ -23,7 +23,7 @@ from test_tree_attention import random_inputs
 from test_verification import random_trees
 from test_verification_ties import CASES, law_p, tie_rows
 
-from rheo_engine import kernels
+from rheo_engine.spec import kernels
 
 LEVELS = ["avx2", "avx512"]  # each compared with "default", the baseline copy
 VS = [7, 111, 32000 + 7]  # V % 16 != 0: a part-filled last block in every row
@@ -208,13 +208,13 @@ def python_with(isa: str, code: str) -> subprocess.CompletedProcess:
 
 
 def test_env_var_picks_the_level_at_import():
-    done = python_with("default", "from rheo_engine import kernels; print(kernels.cpu_isa())")
+    done = python_with("default", "from rheo_engine.spec import kernels; print(kernels.cpu_isa())")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "default"
 
 
 def test_unknown_env_value_fails_the_import_naming_it():
-    done = python_with("avx3", "import rheo_engine.kernels")
+    done = python_with("avx3", "import rheo_engine.spec.kernels")
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "RHEO_CPU_ISA='avx3' is not a CPU ISA level; use default, avx2 or avx512" in last

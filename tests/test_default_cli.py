@@ -3,7 +3,7 @@ object with the documented fields, streaming prints the text the API generates a
 line on stderr, and bad input exits 2 with one line on stderr and no traceback.
 
 The CLI's own flags, files and spelling of errors are tests/test_cli.py's; this file pins what
-the README promises a user of the embedded pair, through rheo_engine.generate.main.
+the README promises a user of the embedded pair, through rheo_engine.entrypoints.generate.main.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import pytest
 
 from rheo_engine import Engine
-from rheo_engine.generate import main as generate_main
+from rheo_engine.entrypoints.generate import main as generate_main
 
 PROMPT = "def quicksort(xs):"
 JSON_FIELDS = {"text", "token_ids", "method", "steps", "mean_accept_length", "tokens_per_s",

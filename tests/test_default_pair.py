@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rheo_engine import Engine
-from rheo_engine.engine import DEFAULT_PAIR
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 PROMPT = "def quicksort(xs):"
 
@@ -49,7 +49,7 @@ def test_sampling_runs_and_is_seeded(engine):
 
 
 def test_missing_default_pair_is_a_clear_error(monkeypatch, tmp_path: Path):
-    import rheo_engine.engine as engine_module
+    import rheo_engine.runtime.engine as engine_module
 
     monkeypatch.setattr(engine_module, "DEFAULT_PAIR", tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="default model pair"):

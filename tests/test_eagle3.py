@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rheo_engine import kernels
 from rheo_engine.config import ModelConfig, TreeConfig
-from rheo_engine.draft import draft_tree
 from rheo_engine.io.convert_eagle3 import convert_eagle3
 from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.eagle3 import Eagle3Head, HeadConfig
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.verify import read_outcome
+from rheo_engine.spec import kernels
+from rheo_engine.spec.draft import draft_tree
+from rheo_engine.spec.verify import read_outcome
 
 V, VD, HID, LAYERS = 64, 24, 32, 6  # target vocab, draft vocab, hidden (target = head), layers
 FEATURES = (1, 3, 4)  # listed: EAGLE's default (2, 3, 3) repeats a layer for 6 layers
@@ -200,7 +200,7 @@ def test_converter_accepts_safetensors_and_refuses_bad_dirs(tmp_path: Path):
 def test_from_pretrained_points_a_bin_only_dir_to_the_converter(tmp_path: Path, target):
     (tmp_path / "config.json").write_text(json.dumps(head_config_dict()))
     torch.save(official_state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="convert_eagle3"):
+    with pytest.raises(ValueError, match="rheo_engine.io.convert eagle3"):
         Eagle3Head.from_pretrained(tmp_path, target)
 
 
@@ -226,7 +226,7 @@ def test_expand_equals_recomputing_each_path(target: LlamaModel, head: Eagle3Hea
     """Masks and positions: every node of a 3-level expansion equals its chain run causally."""
     sd, K, B = official_state_dict(), 3, 2
     features, next_tokens = prompt_pairs(B, 6)
-    drafter = Eagle3Drafter(head, max_len=16, batch=B)
+    drafter = Eagle3Drafter(head, max_len=16, slots=B)
     drafter.prefill(features[:, :4], next_tokens[:, :4])  # two prefills = one longer prefill
     drafter.prefill(features[:, 4:], next_tokens[:, 4:])
     root = drafter.root_logits()
@@ -287,7 +287,7 @@ def test_commit_equals_prefill_of_the_accepted_sequence(head: Eagle3Head):
         all_features = torch.cat((all_features, tree_features[:, path]), 1)
         new_tokens = torch.cat((dt.tree.tokens[0, path[1:]].long(), torch.tensor([bonus])))
         all_tokens = torch.cat((all_tokens, new_tokens.view(1, -1)), 1)
-        assert drafter.length == all_tokens.shape[1]
+        assert drafter.length(0) == all_tokens.shape[1]
         fresh = Eagle3Drafter(head, max_len=64)
         fresh.prefill(all_features, all_tokens)
         torch.testing.assert_close(drafter.root_logits(), fresh.root_logits(), atol=1e-4, rtol=0)

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rheo_engine.engine import DEFAULT_PAIR
-from rheo_engine.io.convert_eagle3 import main as convert_main
+from rheo_engine.io.convert import main as convert_main
 from rheo_engine.io.weights import save_safetensors
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 TARGET = DEFAULT_PAIR / "target"
 V, H, N, VD, INTER = 4096, 256, 8, 1000, 64  # target vocab, hidden, layers; draft vocab; MLP
@@ -117,8 +117,8 @@ def test_both_layouts_load_and_draft_alike(tmp_path: Path, target: LlamaModel):
     authors = write_head(tmp_path / "authors", authors_config(), w, bin_file=True)
     with pytest.raises(ValueError, match="holds pytorch_model.bin only") as err:
         Eagle3Head.from_pretrained(authors, target)
-    assert f"run python -m rheo_engine.io.convert_eagle3 {authors} <out_dir>" in one_line(err)
-    assert convert_main([str(authors), str(tmp_path / "converted")]) == 0  # that command
+    assert f"run python -m rheo_engine.io.convert eagle3 {authors} <out_dir>" in one_line(err)
+    assert convert_main(["eagle3", str(authors), str(tmp_path / "converted")]) == 0  # that command
     head_a = Eagle3Head.from_pretrained(tmp_path / "converted", target)
     head_b = Eagle3Head.from_pretrained(write_head(tmp_path / "sf", specforge_config(), w), target)
     # EAGLE's default (inputs of layers 2, N//2, N-3) and SpecForge's ids [1, 3, 4] + 1.

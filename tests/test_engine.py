@@ -23,9 +23,10 @@ import pytest
 import torch
 from stats_utils import g_test
 
-from rheo_engine import Engine, reference
-from rheo_engine.engine import DEFAULT_PAIR
+from rheo_engine import Engine
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR
+from rheo_engine.spec import reference
 
 SPEC_METHODS = ("topk", "rrsw", "rheo")
 SMALL_TREE = dict(topk=4, depth=3, total_tokens=10, tree="fixed")

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from rheo_engine import Engine
-from rheo_engine.scheduler import Scheduler
+from rheo_engine.runtime.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["def quicksort(xs):", "class Stack:\n", "for i in", "import os\n"]

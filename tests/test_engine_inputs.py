@@ -97,7 +97,7 @@ def test_max_new_tokens_must_be_an_int(tiny, value):
 
 
 def count_head_calls(monkeypatch, engine: Engine) -> dict[str, int]:
-    calls = {"new_cache": 0, "fuse": 0, "layer": 0, "logits": 0}
+    calls = {"new_pool": 0, "fuse": 0, "layer": 0, "logits": 0}
     for name in calls:
         real = getattr(engine.head, name)
 

@@ -32,10 +32,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from rheo_engine.config import ModelConfig
-from rheo_engine.engine import DEFAULT_PAIR, Engine
 from rheo_engine.io.gguf import read_gguf
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR, Engine
 from tests.gguf_files import dequantized_reference, write_llama_gguf
 
 TARGET = DEFAULT_PAIR / "target"
@@ -166,7 +166,7 @@ def test_engine_generates_greedy_from_a_gguf_target(files):
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from rheo_engine.pairs import smollm2_gguf
+    from rheo_engine.runtime.pairs import smollm2_gguf
 
     try:
         return smollm2_gguf()

@@ -18,8 +18,8 @@ import sentencepiece
 from conftest import LLAMA2C
 from transformers import AutoTokenizer
 
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.tokenizer import Tokenizer
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 LAYOUTS = ["hf_default_dir", "hf_tiny_llama31_dir", "hf_tiny_deepseek_dir", "hf_llama2_dir",
            "hf_llama31_dir", "hf_deepseek_dir"]  # fmt: skip

@@ -3,7 +3,7 @@
 On a GPU every host read (item(), int()/bool() of a tensor, .tolist(), .cpu(), nonzero, a boolean
 mask) waits for the stream to drain and prevents CUDA-graph capture, so a step reads once: the
 accept lengths, paths, path tokens, node depths and the kernels' status word, in one transfer
-(rheo_engine.verify.read_outcome). A CUDA kernel that meets bad input sets a bit of the status
+(rheo_engine.spec.verify.read_outcome). A CUDA kernel that meets bad input sets a bit of the status
 word instead of raising; the read raises the CPU kernel's error for it (kernels.raise_status).
 - Real decode steps of the default pair (ar, topk, rrsw, rheo at T = 0 and 1, fixed and auto
   trees) run on the CPU under bench/common.py's OpCounter, which counts what the same code would
@@ -29,12 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import rheo_engine.loop as loop_module
-import rheo_engine.request as request_module
-from rheo_engine import Engine, kernels
-from rheo_engine.draft import pool_kind, root_only_tree
-from rheo_engine.tree_policy import CostProfile, profile_key
-from rheo_engine.verify import read_outcome
+import rheo_engine.runtime.decoder as batch_module
+import rheo_engine.spec.step as loop_module
+from rheo_engine import Engine
+from rheo_engine.runtime.tree_policy import CostProfile, profile_key
+from rheo_engine.spec import kernels
+from rheo_engine.spec.draft import pool_kind, root_only_tree
+from rheo_engine.spec.verify import read_outcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import OpCounter  # noqa: E402
@@ -60,13 +61,13 @@ class Counted:
 
 def count_reads(engine, monkeypatch, new_tokens: int = 20, **options) -> Counted:
     counter, marks = OpCounter(), []
-    real_step = request_module.speculative_step
+    real_step = batch_module.speculative_step
 
     def marked_step(*args, **kwargs):
         marks.append((counter.host_reads, counter.uploads, len(counter.reads)))
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(request_module, "speculative_step", marked_step)
+    monkeypatch.setattr(batch_module, "speculative_step", marked_step)
     request = engine.request(PROMPT, new_tokens, seed=0, **options)
     with torch.no_grad(), counter:
         for _ in request:
@@ -304,16 +305,14 @@ def test_cuda_step_raises_from_the_status_word():
         engine.generate(PROMPT, 8, method="rheo", tree="fixed", **SMALL_TREE)
 
 
-# --- a batch of requests (rheo_engine.batch) -----------------------------------------------------
+# --- a batch of requests (rheo_engine.runtime.decoder) --------------------------------------------
 
 BATCH_PROMPTS = ["def quicksort(xs):", "class Stack:\n", "for i in", "import os\n"]
 
 
 def count_batch(engine, B: int, method: str) -> tuple[list[tuple[int, int, int]], int]:
     """Per decoder step: (host reads, batches it ran, operators); and the tokens produced."""
-    from rheo_engine.batch import BatchDecoder
-
-    decoder = BatchDecoder(engine, max_batch=B)
+    decoder = engine.decoder(max_batch=B)
     requests = [
         engine.request(
             BATCH_PROMPTS[i],

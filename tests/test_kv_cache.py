@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rheo_engine.kv_cache import KVCache
+from rheo_engine.models.kv_cache import KVCache
 
 
 def rows_of(values: list[float], B: int = 2, Hkv: int = 2, D: int = 3) -> torch.Tensor:

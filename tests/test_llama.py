@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from rheo_engine.config import ModelConfig, RopeScaling
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.convert import convert_llama2c
 from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 transformers = pytest.importorskip("transformers")
 
@@ -217,7 +217,9 @@ def test_default_target_matches_hf(default_fp32: LlamaModel) -> None:
     hf.eval()
     cfg = default_fp32.cfg
     context = cfg.max_position_embeddings
-    code = Tokenizer.from_dir(DEFAULT_TARGET).encode((REPO / "rheo_engine/engine.py").read_text())
+    code = Tokenizer.from_dir(DEFAULT_TARGET).encode(
+        (REPO / "rheo_engine/runtime/engine.py").read_text()
+    )
     assert len(code) >= context, "engine.py is too short to fill the context"
     noise = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(5))
     ids = torch.stack([torch.tensor(code[:context]), noise])  # [2, context]: code, random ids

@@ -17,10 +17,10 @@ import torch
 
 from rheo_engine import Engine
 from rheo_engine.config import ModelConfig
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.weights import load_safetensors, save_safetensors
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel, expected_shapes
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 TARGET, DRAFT = DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft"
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_verification import random_trees
 
-from rheo_engine import kernels, reference
 from rheo_engine.config import SamplingConfig
-from rheo_engine.verify import History, control_logits
+from rheo_engine.spec import kernels, reference
+from rheo_engine.spec.verify import History, control_logits
 
 CASES = [
     # repetition, presence, frequency, min_new_tokens

@@ -19,14 +19,14 @@ import pytest
 import torch
 from stats_utils import g_test
 
-from rheo_engine import draft as draft_module
-from rheo_engine import kernels, reference
 from rheo_engine.config import SamplingConfig, TreeConfig
-from rheo_engine.draft import DraftTree, draft_tree, pool_kind
-from rheo_engine.loop import decode
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
-from rheo_engine.tree_policy import AutoTree, CostProfile
-from rheo_engine.verify import Outcome, read_outcome, verify_law
+from rheo_engine.runtime.tree_policy import AutoTree, CostProfile
+from rheo_engine.spec import draft as draft_module
+from rheo_engine.spec import kernels, reference
+from rheo_engine.spec.draft import DraftTree, draft_tree, pool_kind
+from rheo_engine.spec.step import decode
+from rheo_engine.spec.verify import Outcome, read_outcome, verify_law
 
 METHODS = ("topk", "rrsw", "rheo")
 

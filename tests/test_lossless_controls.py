@@ -15,11 +15,11 @@ import pytest
 import torch
 from test_lossless import METHODS, enumerate_drafts, quantized_table, step_law
 
-from rheo_engine import reference
 from rheo_engine.config import SamplingConfig, TreeConfig
-from rheo_engine.draft import draft_tree
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
-from rheo_engine.verify import History, control_logits
+from rheo_engine.spec import reference
+from rheo_engine.spec.draft import draft_tree
+from rheo_engine.spec.verify import History, control_logits
 
 EOS = 0  # the toy's EOS id for min_new_tokens
 

@@ -21,8 +21,8 @@ from paper_layouts import GENERATION_CONFIGS, SPECS, write_heads, write_target
 from test_eagle3_layouts import one_line
 
 from rheo_engine import Engine
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.weights import load_safetensors
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,7 +166,7 @@ def test_head_of_another_target_is_refused(layout: Layout, tmp_path: Path):
     other = 32000 if vocab != 32000 else 128256  # a Vicuna head on a Llama-3 target, and back
     with pytest.raises(ValueError, match="holds pytorch_model.bin only") as err:
         Engine.from_pretrained(layout.target, layout.heads["authors_src"])
-    assert "python -m rheo_engine.io.convert_eagle3" in one_line(err)
+    assert "python -m rheo_engine.io.convert eagle3" in one_line(err)
     vocab_head = write_heads(layout.target, tmp_path / "vocab", vocab=other)["authors"]
     wide_head = write_heads(layout.target, tmp_path / "wide", hidden=96)["specforge"]
     cases = ((vocab_head, f"head vocab_size={other} != target vocab_size={vocab}"),

@@ -1,6 +1,6 @@
 """The coins: Philox-4x32-10 against the Random123 known-answer vectors, and its uniforms."""
 
-from rheo_engine import reference
+from rheo_engine.spec import reference
 
 
 def test_philox_known_answers():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 INT_FIELDS = ("tokens", "sampled_slot", "q_tilde_ids")
 FLOAT_FIELDS = ("log_proxy", "q_tilde", "q_sampled")

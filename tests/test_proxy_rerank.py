@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and kernels.has_cuda()),

@@ -20,8 +20,9 @@ import torch
 from stats_utils import g_test
 from test_engine import G_PROMPT, G_RUNS, G_TREE, hf_greedy
 
-from rheo_engine import Engine, reference
+from rheo_engine import Engine
 from rheo_engine.config import SamplingConfig
+from rheo_engine.spec import reference
 
 transformers = pytest.importorskip("transformers")
 lp = transformers.generation.logits_process

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server (rheo_engine.serve) and its Scheduler, on the default pair.
+"""The OpenAI-compatible server (rheo_engine.entrypoints.serve) and its Scheduler, on the default
+pair.
 
 One uvicorn server runs in a background thread for the module, driven by the official openai
 client and by raw HTTP (http.client). Every client call has a timeout and every wait a
@@ -8,11 +9,18 @@ deadline. Direct engine calls run only while the scheduler is idle (one request 
 from __future__ import annotations
 
 import asyncio
+import errno
 import http.client
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,10 +28,11 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from rheo_engine.engine import Engine  # noqa: E402
-from rheo_engine.scheduler import Cancelled, QueueFull, Scheduler  # noqa: E402
-from rheo_engine.serve import Server  # noqa: E402
+from rheo_engine.entrypoints.serve import Server, main  # noqa: E402
+from rheo_engine.runtime.engine import Engine  # noqa: E402
+from rheo_engine.runtime.scheduler import Cancelled, QueueFull, Scheduler  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 MODEL = "rheo-default"
 TIMEOUT = 30.0
@@ -168,7 +177,11 @@ def test_concurrent_streams_equal_solo(served, engine):
         dict(prompt="Once upon a time", temperature=0),
         dict(prompt=PROMPT, temperature=0.8, seed=7, tree="fixed"),
         dict(prompt="import numpy as np", temperature=0),
-        dict(prompt="class Stack:", temperature=0.8, seed=3, tree="fixed", top_k=20),
+        # Another tree shape: the two fixed-tree jobs form two groups, so each runs one
+        # sequence per step whenever the streams arrive. Two sequences in one step run the
+        # head's levels over both (padded to the longer), which may round differently from
+        # one alone (docs/batching.md §4); tests/test_batch.py checks batches admitted at once.
+        dict(prompt="class Stack:", temperature=0.8, seed=3, tree="fixed", top_k=20, depth=6),
     ]
     _idle(served)
     solo = [engine.generate(j["prompt"], 24, **{k: v for k, v in j.items() if k != "prompt"})
@@ -176,7 +189,7 @@ def test_concurrent_streams_equal_solo(served, engine):
     texts: list[str | None] = [None] * len(jobs)
 
     def run(i: int) -> None:
-        extra = {k: jobs[i][k] for k in ("tree", "top_k") if k in jobs[i]}
+        extra = {k: jobs[i][k] for k in ("tree", "top_k", "depth") if k in jobs[i]}
         stream = served.client.completions.create(
             model=MODEL, prompt=jobs[i]["prompt"], max_tokens=24,
             temperature=jobs[i]["temperature"], seed=jobs[i].get("seed"), stream=True,
@@ -231,10 +244,70 @@ def test_bad_requests(served):
     assert status == 413
     status, data = _post(served, "/v1/completions", {"prompt": [5] * 1100, "max_tokens": 2})
     assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert data["error"]["param"] == "prompt"
     status, data = _post(served, "/v1/completions", {"prompt": "x", "max_tokens": 5000})
     assert status == 400 and data["error"]["param"] == "max_tokens"
     status, data = _post(served, "/v1/chat/completions", {"messages": [{"role": "bot"}]})
     assert status == 400 and "message 0" in data["error"]["message"]
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+# A bad field, where it goes, and what its error says: the field as the client sent it (with
+# JSON's null/true, not the engine's max_new_tokens= or None), the error's param that field.
+BAD_FIELDS = [
+    ({"max_tokens": 0}, "completions", "max_tokens", "max_tokens=0 must be >= 1"),
+    ({"max_tokens": -1}, "chat", "max_tokens", "max_tokens=-1 must be >= 1"),
+    ({"max_tokens": "x"}, "completions", "max_tokens", 'max_tokens="x" must be a JSON int'),
+    ({"max_tokens": 1.5}, "chat", "max_tokens", "max_tokens=1.5 must be a JSON int"),
+    ({"max_completion_tokens": 0}, "chat", "max_completion_tokens",
+     "max_completion_tokens=0 must be >= 1"),
+    ({"max_completion_tokens": 5000}, "chat", "max_completion_tokens",
+     "max_completion_tokens=5000 must be <= the context (1024)"),
+    ({"min_tokens": -1}, "completions", "min_tokens", "min_tokens=-1 must be >= 0"),
+    ({"min_tokens": 9, "max_tokens": 4}, "completions", "min_tokens",
+     "min_tokens=9 exceeds max_tokens=4; raise max_tokens or lower min_tokens"),
+    ({"min_tokens": 9, "max_completion_tokens": 4}, "chat", "min_tokens",
+     "min_tokens=9 exceeds max_completion_tokens=4; raise max_completion_tokens or lower "
+     "min_tokens"),
+    ({"logprobs": 21}, "completions", "logprobs", "logprobs=21 must be <= 20"),
+    ({"logprobs": -1}, "completions", "logprobs", "logprobs=-1 must be >= 0"),
+    ({"top_logprobs": 3}, "chat", "top_logprobs", "top_logprobs=3 needs logprobs=true"),
+    ({"temperature": -1}, "chat", "temperature", "temperature=-1 must be a finite number >= 0"),
+    ({"top_p": 2}, "completions", "top_p", "top_p=2 must be in (0, 1]"),
+    ({"top_k": -2}, "completions", "top_k", "top_k=-2 must be >= 0"),
+    ({"seed": -5}, "chat", "seed", "seed=-5 is outside [0, 2**64)"),
+    ({"stop": ""}, "completions", "stop", 'stop="" would match before any text; pass stop=null'),
+    ({"stop": ["a", ""]}, "chat", "stop", "remove it (stop=null or [] means no stop strings)"),
+    ({"stop": ["a", 3]}, "completions", "stop", "stop[1]=3 is a int, not a str"),
+    ({"method": "beam"}, "completions", "method", 'method="beam" is not one of'),
+    ({"total_tokens": 5000}, "completions", "total_tokens", "lower total_tokens to at most 711"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields, where, param, says", BAD_FIELDS, ids=[json.dumps(f) for f, *_ in BAD_FIELDS]
+)
+def test_bad_fields_are_named_as_sent(served, fields, where, param, says):
+    body = {"prompt": "x"} if where == "completions" else {"messages": CHAT}
+    status, data = _post(served, f"/v1/{where.replace('chat', 'chat/completions')}",
+                         {**body, **fields})  # fmt: skip
+    error = data["error"]
+    assert status == 400 and error["type"] == "invalid_request_error", data
+    assert error["param"] == param and says in error["message"], error
+    for engine_only in ("max_new_tokens", "min_new_tokens", "None", "True"):
+        assert engine_only not in error["message"], error
+
+
+def test_bad_max_tokens_through_the_openai_client(served):
+    for bad in (0, -1):
+        with pytest.raises(openai.BadRequestError, match=f"max_tokens={bad} must be >= 1") as e:
+            served.client.completions.create(model=MODEL, prompt="x", max_tokens=bad)
+        assert e.value.param == "max_tokens" and e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.chat.completions.create(model=MODEL, messages=CHAT,
+                                              max_completion_tokens=0)  # fmt: skip
+    assert e.value.param == "max_completion_tokens"
+    assert "max_completion_tokens=0 must be >= 1" in e.value.message
 
 
 def test_api_key(served):
@@ -252,18 +325,31 @@ def test_api_key(served):
         ).models.list()  # fmt: skip
 
 
-def test_full_queue_429(served):
+def test_full_queue_429(served, monkeypatch):
     _idle(served)
+    # The worker is held in its next step, so no request can end (a long one would reach the
+    # context within seconds) and none is admitted while the queue is checked.
+    gate, decoder = threading.Event(), served.scheduler.decoder
+    real_step = decoder.step
+
+    def held_step():
+        gate.wait(TIMEOUT)
+        return real_step()
+
+    monkeypatch.setattr(decoder, "step", held_step)
     handles = []
     try:
-        for _ in range(served.scheduler.max_queue + 2):  # one runs, max_queue wait
+        for _ in range(served.scheduler.max_queue + decoder.max_batch + 1):  # max_queue wait
             handles.append(served.scheduler.submit(PROMPT, 900, ignore_eos=True))
             _wait(lambda: bool(served.scheduler.running))
     except QueueFull:
         pass
-    assert served.scheduler.waiting == served.scheduler.max_queue
-    status, data = _post(served, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-    assert status == 429 and data["error"]["type"] == "rate_limit_error"
+    try:
+        assert served.scheduler.waiting == served.scheduler.max_queue
+        status, data = _post(served, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 429 and data["error"]["type"] == "rate_limit_error"
+    finally:
+        gate.set()
     for handle in handles:
         handle.cancel()
     for handle in handles:
@@ -296,3 +382,108 @@ def test_scheduler_front(engine):
         steps.close()  # a reader that stops early cancels its request
         with pytest.raises(Cancelled):
             handle.result(TIMEOUT)
+
+
+# --- the command line: bad flags and addresses are one line, never a traceback ---------------
+
+
+def _serve(*argv: str, **popen) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "rheo_engine.entrypoints.serve", *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
+
+
+def _one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def busy_port():
+    """A port some other program listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536"])
+def test_port_out_of_range_is_one_line(port):
+    done = _serve("--port", port)
+    _, err = done.communicate(timeout=120)
+    assert done.returncode == 2
+    want = f"error: --port {port} must be in 1..65535, or 0 for any free port"
+    assert _one_line(err) == want
+
+
+def test_port_in_use_is_one_line(busy_port):
+    done = _serve("--port", str(busy_port))
+    _, err = done.communicate(timeout=120)
+    assert done.returncode == 2
+    assert _one_line(err) == (
+        f"error: --port {busy_port} is in use on 127.0.0.1 (another server?); pass another "
+        "--port, or 0 for any free port"
+    )
+
+
+def _main_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and not out
+    return _one_line(err)
+
+
+def test_privileged_port_is_one_line(capsys, monkeypatch):
+    """Port 1 as a user who may not bind it (faked: the tests may run as root)."""
+
+    def refuse(self, address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    assert _main_error(capsys, "--port", "1") == (
+        "error: --port 1 needs privileges here (ports below 1024 usually need root); pass a "
+        "--port from 1024 up, or 0 for any free port"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--port", "x"], "error: argument --port: invalid int value: 'x'; see --help"),
+        (["--host", "192.0.2.1"], "error: --host 192.0.2.1 is not an address of this machine; "
+                                  "pass one, e.g. 127.0.0.1 (this machine) or 0.0.0.0 (all)"),
+        (["--max-queue", "0"], "error: --max-queue 0 must be an int >= 1"),
+        (["--max-batch", "0"], "error: --max-batch 0 must be an int >= 1"),
+        (["--max-len", "1"], "error: --max-len 1 must be an int >= 2 (rows per sequence)"),
+        (["--max-body-bytes", "0"], "error: --max-body-bytes 0 must be >= 1"),
+        (["--draft", "/nowhere"], "error: --draft was given without --target"),
+    ],
+)  # fmt: skip
+def test_bad_flags_are_one_line_in_cli_spelling(capsys, argv, says):
+    assert _main_error(capsys, "--port", "0", *argv).startswith(says)
+
+
+def test_port_0_serves_on_a_free_port_and_says_which():
+    server = _serve("--port", "0")
+    try:
+        port, seen = None, []
+        deadline = time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            line = server.stderr.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+            found = re.search(r"running on http://127\.0\.0\.1:(\d+) ", line)
+            port = found and int(found.group(1))
+        assert port, "".join(seen)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0 and "Traceback" not in err, err

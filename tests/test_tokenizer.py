@@ -19,7 +19,6 @@ import torch
 from conftest import shared_file
 
 from rheo_engine.config import ModelConfig
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.tokenizer import (
     CHAT_TEMPLATES,
     LLAMA3_SPECIAL_TOKENS,
@@ -27,6 +26,7 @@ from rheo_engine.io.tokenizer import (
     VICUNA_SYSTEM,
     Tokenizer,
 )
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 DEFAULT_MODEL = DEFAULT_PAIR / "target" / "tokenizer.model"
 LILY = "Once upon a time, there was a little girl named Lily."

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from rheo_engine.config import ModelConfig
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.weights import load_safetensors
 from rheo_engine.models.eagle3 import Eagle3Head, HeadConfig
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 from rheo_engine.train.head import HeadTrainConfig, TrainableHead, main, train_head
 from rheo_engine.train.head_data import HeadData, draft_vocabulary
 
@@ -183,7 +183,7 @@ def test_non_llama_target_is_refused(tmp_path: Path) -> None:
 
 
 def test_trained_head_drafts_are_accepted(stories_dir: Path, stories_trained_head: Path) -> None:
-    from rheo_engine.engine import Engine
+    from rheo_engine.runtime.engine import Engine
 
     engine = Engine.from_pretrained(stories_dir, stories_trained_head)
     gen = engine.generate(

@@ -59,7 +59,7 @@ def keep_torch_threads():
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("corpus")
-    for rel in ("train/corpus.py", "draft.py", "verify.py", "engine.py",
+    for rel in ("train/corpus.py", "spec/draft.py", "spec/verify.py", "runtime/engine.py",
                 "train/data.py"):  # fmt: skip
         shutil.copy(REPO / "rheo_engine" / rel, d / Path(rel).name)
     (d / "notes").mkdir()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and kernels.has_cuda()),

@@ -1,5 +1,5 @@
-"""The cost model that picks each step's tree (rheo_engine.tree_policy) and tree="auto" in the
-engine. Losslessness of a history-dependent tree is proven in test_lossless.py (2b)."""
+"""The cost model that picks each step's tree (rheo_engine.runtime.tree_policy) and tree="auto" in
+the engine. Losslessness of a history-dependent tree is proven in test_lossless.py (2b)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch
 
 from rheo_engine import Engine
 from rheo_engine.config import TreeConfig
-from rheo_engine.draft import pool_kind
-from rheo_engine.tree_policy import (
+from rheo_engine.runtime.tree_policy import (
     AcceptanceStats,
     AutoTree,
     CostProfile,
     TreeUsage,
     profile_key,
 )
-from rheo_engine.verify import Outcome
+from rheo_engine.spec.draft import pool_kind
+from rheo_engine.spec.verify import Outcome
 
 BOUND = TreeConfig("rheo", topk=4, depth=4, total_tokens=16)
 
@@ -185,7 +185,7 @@ def test_measured_profile_is_kept_per_machine_and_reused_by_a_new_engine(
     """A seeded auto-tree run reproduces in a fresh engine (a new process on this machine):
     the profile measured by the first is kept on disk and read by the second, so the trees and
     the coins are the same. RHEO_CACHE_DIR=off keeps profiles in memory only."""
-    from rheo_engine.engine import Engine
+    from rheo_engine.runtime.engine import Engine
 
     SMALL = dict(topk=4, depth=3, total_tokens=8)  # a tree the tiny target's context measures
 
@@ -244,7 +244,7 @@ def test_narrower_trees_are_chosen_when_levels_cost_by_row():
 
 
 def test_break_even_table_from_a_saved_profile(tmp_path, capsys):
-    from rheo_engine.tree_policy import main
+    from rheo_engine.runtime.tree_policy import main
 
     prof = CostProfile("toy", {1: 0.1, 2: 0.11, 60: 1.0}, 0.001, {2: 0.01, 10: 0.02}, {1: 0.0})
     prof.save(tmp_path / "p.json")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from stats_utils import g_test
 
-from rheo_engine import kernels, reference
+from rheo_engine.spec import kernels, reference
 
 METHODS = ["topk", "rrsw", "rheo"]
 needs_cuda = pytest.mark.skipif(

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from rheo_engine import kernels
+from rheo_engine.spec import kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 VS = [7, 17, 33, 111, 32000 + 7]  # V % 16 != 0: every row has a part-filled last block

@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from rheo_engine import Engine
-from rheo_engine.engine import DEFAULT_PAIR
 from rheo_engine.io.convert import main
 from rheo_engine.io.widen import DEFAULT_SIZES, RECORD, ensure_widened, plan, widen
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.llama import parameter_count
+from rheo_engine.runtime.engine import DEFAULT_PAIR
 
 SIZES = dict(hidden=512, intermediate=1024, layers=12)
 PROMPT = "def quicksort(xs):\n    if len(xs) <= 1:"

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from rheo_engine.config import ModelConfig
+from rheo_engine.io.convert_eagle3 import convert_eagle3
 from rheo_engine.io.weights import save_safetensors
 from rheo_engine.models.llama import check_weights
 
@@ -235,8 +236,6 @@ def main(argv: list[str] | None = None) -> int:
             sizes = dict(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
             out = widen(args.src_dir, args.out_dir, **sizes, force=args.force)
         else:
-            from rheo_engine.io.convert_eagle3 import convert_eagle3  # its own module
-
             out = convert_eagle3(args.src_dir, args.out_dir)
     except (ValueError, OSError) as err:  # bad input: a missing or broken file, a used OUT_DIR
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)

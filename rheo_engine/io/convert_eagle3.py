@@ -1,7 +1,7 @@
 """Convert an official EAGLE-3 head (config.json + pytorch_model.bin) to config.json +
 model.safetensors, the only weight format the engine loads (docs/eagle3_format.md §1).
 
-    python -m rheo_engine.io.convert_eagle3 SRC_DIR OUT_DIR
+    python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR
 
 The official training saves with DeepSpeed ``save_16bit_model``: a flat state dict pickled by
 torch. This is the project's one pickle load, restricted to tensors (``weights_only=True``).
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -72,15 +71,3 @@ def convert_eagle3(src_dir: str | Path, out_dir: str | Path) -> Path:
     shutil.copyfile(config, out / "config.json")
     save_safetensors(state, out / "model.safetensors")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The same as ``python -m rheo_engine.io.convert eagle3 SRC_DIR OUT_DIR`` (one CLI, one
-    set of error rules)."""
-    from rheo_engine.io.convert import main as convert_main  # convert.py imports this module
-
-    return convert_main(["eagle3", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

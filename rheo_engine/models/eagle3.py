@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from rheo_engine.io.weights import load_safetensors
-from rheo_engine.kv_cache import KVCache, SlotPool
 from rheo_engine.models.eagle3_config import (
     ANOTHER_TARGET,
     ARCHITECTURE,
@@ -30,6 +29,7 @@ from rheo_engine.models.eagle3_config import (
     HeadConfig,
     check_layer_ids,
 )
+from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import linear
 
 __all__ = [
@@ -374,15 +374,10 @@ class Eagle3Head:
         if not has_st and (path / "pytorch_model.bin").is_file():
             raise ValueError(
                 f"{path} holds pytorch_model.bin only; weights load from safetensors: run "
-                f"python -m rheo_engine.io.convert_eagle3 {path} <out_dir> and load <out_dir>"
+                f"python -m rheo_engine.io.convert eagle3 {path} <out_dir> and load <out_dir>"
             )
         weights = load_safetensors(path)
         return cls.from_weights(cfg, weights, target, device, dtype, str(path))
-
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        c = self.cfg
-        Hkv, D = c.num_key_value_heads, c.head_dim
-        return KVCache(1, batch, max_len, Hkv, D, self.dtype, self.device)
 
     def new_pool(self, max_len: int, slots: int) -> SlotPool:
         """Pair memory for ``slots`` sequences of up to ``max_len`` pairs (a batch)."""

@@ -1,76 +1,74 @@
-"""The EAGLE-3 head as a tree drafter (draft.Drafter + commit; docs/eagle3_format.md §8).
+"""The EAGLE-3 head as a tree drafter (draft.Drafter + commit; docs/eagle3_format.md §8), for a
+batch of sequences of different lengths (one sequence alone is a batch of one).
 
-The head's cache holds one row per committed pair (target feature of token j, token j + 1) at
-RoPE position j. Tree levels are scratch: level l runs its frontier nodes at position
-m + l - 1 (m = committed pairs), each seeing the committed pairs, its ancestors among earlier
-frontier nodes and itself. Their K/V lives outside the cache and is dropped at commit, where
-the accepted pairs are recomputed from the target's features, as EAGLE does.
+Each sequence's committed pairs (target feature of token j, token j + 1) live at RoPE position
+j in its slot of a SlotPool (one layer; the slots are the target pool's, handed out by the
+decoder). Tree levels are scratch: level l runs its frontier nodes at position m + l - 1
+(m = the sequence's committed pairs), each seeing the committed pairs, its ancestors among
+earlier frontier nodes and itself; their K/V lives outside the pool and is dropped at commit,
+where the accepted pairs are recomputed from the target's features, as EAGLE does. A step's
+head forwards run over the batch with per-sequence positions and masks that hide the rows past
+each sequence's own m.
 
-Commits are lazy: a step's accepted pairs (and the prompt's) wait until the head next drafts
-(root_logits) and then run in one forward with any others waiting. A run of plain steps (the
-cost model's choice when no tree pays) thus costs the head nothing until speculation resumes,
-and then one forward over all the pairs it missed, not one per step.
+Commits are lazy: a step's accepted pairs (and the prompt's) wait until the sequence next
+drafts (root_logits) and then run in one forward with any others waiting. A run of plain steps
+(the cost model's choice when no tree pays) thus costs the head nothing until speculation
+resumes, and then one forward over all the pairs it missed, not one per step. Sequences join
+(``prefill`` into a fresh slot) and leave (``release``) between steps; ``begin(slots)`` says
+which run the next step, in which order.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from rheo_engine import kernels
 from rheo_engine.models.eagle3 import Eagle3Head
-from rheo_engine.verify import Outcome
+from rheo_engine.spec import kernels
+from rheo_engine.spec.verify import Outcome
 
 
 class Eagle3Drafter:
-    """Drafting state for B sequences over one Eagle3Head (the engine uses B = 1)."""
+    """Drafting state of up to ``slots`` sequences of up to ``max_len`` pairs each over one
+    Eagle3Head. Until ``begin`` names others, a step runs slots 0..slots-1 in order (one
+    sequence: ``Eagle3Drafter(head, max_len)`` and no slot arguments at all)."""
 
-    def __init__(self, head: Eagle3Head, max_len: int, batch: int = 1) -> None:
-        if max_len < 1 or batch < 1:
-            raise ValueError(f"max_len={max_len} and batch={batch} must be >= 1")
+    def __init__(self, head: Eagle3Head, max_len: int, slots: int = 1) -> None:
+        if max_len < 1 or slots < 1:
+            raise ValueError(f"max_len={max_len} and slots={slots} must be >= 1")
+        c = head.cfg
         self.head = head
-        self.batch = batch
+        self.pool = head.new_pool(max_len, slots)  # committed pairs only
         self.max_len = max_len
-        self.cache = head.new_cache(max_len, batch)  # committed pairs only
-        H = head.cfg.hidden_size
-        self._last_h: torch.Tensor | None = None  # [B, H] h2 of the last committed pair
-        self._frontier_h = torch.zeros(batch, 0, H, dtype=head.dtype, device=head.device)
-        self._tree_k = self._tree_v = self._empty_rows()  # [B, S_tree, Hkv, D] scratch
-        self._tree_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=head.device)
+        self._last_h = torch.zeros(slots, c.hidden_size, dtype=head.dtype, device=head.device)
+        self._pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
+        self._pending_rows = [0] * slots
+        self.slots: list[int] = list(range(slots))  # the batch of the current step
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed, not yet run
-        self._pending_rows = 0
 
-    def _empty_rows(self) -> torch.Tensor:
-        c = self.head.cfg
-        shape = (self.batch, 0, c.num_key_value_heads, c.head_dim)
-        return torch.zeros(shape, dtype=self.head.dtype, device=self.head.device)
+    def length(self, slot: int = 0) -> int:
+        """m of a slot: its committed pairs, those waiting to run included."""
+        return self.pool.lengths[slot] + self._pending_rows[slot]
 
-    @property
-    def length(self) -> int:
-        """m, the committed pairs (RoPE positions 0..m-1), those waiting to run included."""
-        return self.cache.length + self._pending_rows
+    def _queue(self, slot: int, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        n = features.shape[0]
+        if self.length(slot) + n > self.max_len:
+            raise ValueError(
+                f"the draft head needs {self.length(slot) + n} rows but a slot holds "
+                f"max_len={self.max_len}; raise max_len / shorten the prompt"
+            )
+        self._pending[slot].append((features, tokens.long()))
+        self._pending_rows[slot] += n
 
-    def reset(self) -> None:
-        """Forget every pair, e.g. before a new prompt."""
-        self.cache.truncate(0)
-        self._last_h, self._level, self._pending, self._pending_rows = None, -1, [], 0
-
-    def _flush(self) -> None:
-        """Run the pairs that commits left waiting, in one head forward."""
-        if not self._pending:
-            return
-        features = torch.cat([f for f, _ in self._pending], 1)
-        tokens = torch.cat([t for _, t in self._pending], 1)
-        self._pending, self._pending_rows = [], 0
-        self._append_pairs(features, tokens)
-
-    @torch.no_grad()
-    def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Append the pairs (features [B, L, F] of token j, target ids next_tokens [B, L] of
-        token j + 1) at the next L positions; the first call holds the prompt's pairs. Like a
-        commit, they run when the head next drafts (a request of plain steps never runs it)."""
-        F_in = len(self.head.feature_layers) * self.head.cfg.target_hidden_size
-        B = self.batch
+    def prefill(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, slots: list[int] | None = None
+    ) -> None:
+        """Queue pairs (features [B, L, F] of token j, target ids next_tokens [B, L] of token
+        j + 1) at the next L positions of each of ``slots`` (default: the step's); the first
+        call holds the prompt's pairs. Like a commit, they run when the head next drafts (a
+        request of plain steps never runs it)."""
+        slots = self.slots if slots is None else slots
+        F_in, B = len(self.head.feature_layers) * self.head.cfg.target_hidden_size, len(slots)
         if features.dim() != 3 or features.shape[0] != B or features.shape[2] != F_in:
             raise ValueError(
                 f"features must be [B={B}, L, F={F_in}] (len(feature_layers) * target hidden), "
@@ -81,73 +79,150 @@ class Eagle3Drafter:
                 f"next_tokens must be [B, L] = {list(features.shape[:2])} (one per feature), "
                 f"got {list(next_tokens.shape)}"
             )
-        self._check_room(features.shape[1])
-        self._pending.append((features, next_tokens.long()))
-        self._pending_rows += features.shape[1]
+        for b, slot in enumerate(slots):
+            self._queue(slot, features[b], next_tokens[b])
         self._level = -1
 
-    def _append_pairs(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
-        B, n, _ = features.shape
-        m = self.cache.length  # every pending pair passed _check_room when it was queued
-        dev = self.head.device
-        positions = (m + torch.arange(n, device=dev)).expand(B, n)
-        # Every new pair sees all committed pairs, then the new ones causally.
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        mask = torch.cat((torch.ones(n, m, dtype=torch.bool, device=dev), causal), 1)
-        past_k, past_v = self.cache.rows(0, 0)
-        h2, k, v = self.head.layer(
-            self.head.fuse(features.to(dev)),
-            tokens.to(dev),
-            positions,
-            past_k,
-            past_v,
-            mask.expand(B, n, m + n),
-        )
-        self.cache.write(0, k, v)
-        self.cache.advance(n)
-        self._last_h = h2[:, -1]
+    def release(self, slot: int) -> None:
+        """Forget a finished sequence's pairs, so that the slot starts empty for the next one
+        (the slots are the target pool's: the decoder hands them out)."""
+        self._pending[slot], self._pending_rows[slot] = [], 0
+        self.pool.lengths[slot] = 0
+
+    def begin(self, slots: list[int]) -> None:
+        """The sequences of the next step, in batch order."""
+        self.slots = list(slots)
         self._level = -1
+
+    def reset(self) -> None:
+        """Forget every sequence's pairs."""
+        for slot in range(self.pool.slots):
+            self.release(slot)
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Run the waiting pairs of the step's sequences in one head forward, padded to the
+        longest (padded pairs see only real rows, write the slot's scratch row, and are
+        dropped)."""
+        waiting = [s for s in self.slots if self._pending[s]]
+        if not waiting:
+            return
+        dev, head = self.head.device, self.head
+        feats, toks, counts = [], [], []
+        for s in waiting:
+            feats.append(torch.cat([f for f, _ in self._pending[s]], 0))
+            toks.append(torch.cat([t for _, t in self._pending[s]], 0))
+            counts.append(feats[-1].shape[0])
+            self._pending[s], self._pending_rows[s] = [], 0
+        if len(waiting) == 1:  # one sequence: slices of its slot, no padding (as one cache)
+            self._append_one(waiting[0], feats[0], toks[0])
+            return
+        n = max(counts)
+        features = torch.stack([F.pad(f, (0, 0, 0, n - f.shape[0])) for f in feats])
+        tokens = torch.stack([F.pad(t, (0, n - t.shape[0])) for t in toks])
+        B = len(waiting)
+        m = [self.pool.lengths[s] for s in waiting]
+        m_max = max(m)
+        i32 = dict(dtype=torch.long, device=dev)
+        m_dev = torch.tensor(m, **i32).view(B, 1)
+        count_dev = torch.tensor(counts, **i32).view(B, 1)
+        j = torch.arange(n, **i32).view(1, n)
+        positions = m_dev + j  # [B, n]
+        seen = torch.arange(m_max, **i32).view(1, 1, m_max) < m_dev.view(B, 1, 1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
+        mask = torch.cat((seen.expand(B, n, m_max), causal), 2)
+        slots = torch.tensor(waiting, **i32).view(B, 1)
+        past_k = self.pool.k[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
+        past_v = self.pool.v[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
+        h2, k, v = head.layer(head.fuse(features.to(dev)), tokens.to(dev), positions, past_k,
+                              past_v, mask)  # fmt: skip
+        rows = torch.where(j < count_dev, positions, self.max_len)  # padding: the scratch row
+        self.pool.k[0, slots, rows] = k
+        self.pool.v[0, slots, rows] = v
+        last = torch.tensor(counts, **i32) - 1
+        self._last_h[slots.view(B)] = h2[torch.arange(B, device=dev), last]
+        for s, c in zip(waiting, counts, strict=True):
+            self.pool.lengths[s] += c
+
+    def _append_one(self, slot: int, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """_flush of a single sequence: its n pairs see its m committed ones, then causally."""
+        dev, head, n = self.head.device, self.head, features.shape[0]
+        m = self.pool.lengths[slot]
+        positions = (m + torch.arange(n, device=dev)).view(1, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        mask = torch.cat((torch.ones(n, m, dtype=torch.bool, device=dev), causal), 1).view(1, n, -1)
+        k_slot, v_slot = self.pool.k[0, slot : slot + 1], self.pool.v[0, slot : slot + 1]
+        h2, k, v = head.layer(head.fuse(features.to(dev).unsqueeze(0)),
+                              tokens.to(dev).view(1, n), positions, k_slot[:, :m],
+                              v_slot[:, :m], mask)  # fmt: skip
+        k_slot[:, m : m + n], v_slot[:, m : m + n] = k, v
+        self._last_h[slot] = h2[0, -1]
+        self.pool.lengths[slot] += n
 
     @torch.no_grad()
     def root_logits(self) -> torch.Tensor:
-        """Draft logits [B, Vd] float32 of the root's children (head output of the last pair)."""
+        """Draft logits [B, Vd] of each root's children; gathers the step's committed rows."""
         self._flush()
-        if self._last_h is None:
-            raise ValueError("root_logits() before any pair: call prefill(features, next_tokens)")
-        self._frontier_h = self._last_h.unsqueeze(1)  # the root is the only level-0 node
-        self._tree_k = self._tree_v = self._empty_rows()
-        self._tree_mask = torch.zeros(self.batch, 1, 0, dtype=torch.bool, device=self.head.device)
+        dev, B = self.head.device, len(self.slots)
+        empty = [s for s in self.slots if self.pool.lengths[s] == 0]
+        if empty:
+            raise ValueError(
+                f"root_logits() before any pair of slot {empty[0]}: call prefill(features, "
+                "next_tokens) first"
+            )
+        m = [self.pool.lengths[s] for s in self.slots]
+        m_max = max(m)
+        i64 = dict(dtype=torch.long, device=dev)
+        if B == 1:  # views of the slot, and nothing uploaded
+            s = self.slots[0]
+            self._m = m_max
+            self._committed_k = self.pool.k[0, s : s + 1, :m_max]
+            self._committed_v = self.pool.v[0, s : s + 1, :m_max]
+            self._seen = torch.ones(1, m_max, dtype=torch.bool, device=dev)
+            self._frontier_h = self._last_h[s : s + 1].unsqueeze(1)  # [1, 1, H]
+        else:
+            slots = torch.tensor(self.slots, **i64).view(B, 1)
+            rows = torch.arange(m_max, **i64).view(1, m_max)
+            self._m = torch.tensor(m, **i64).view(B, 1)
+            self._committed_k = self.pool.k[0, slots, rows]  # [B, m_max, Hkv, D]
+            self._committed_v = self.pool.v[0, slots, rows]
+            self._seen = rows < self._m  # [B, m_max]: the rows each sequence sees
+            self._frontier_h = self._last_h[slots.view(B)].unsqueeze(1)  # [B, 1, H]
+        c = self.head.cfg
+        self._tree_k = self._tree_v = torch.zeros(
+            B, 0, c.num_key_value_heads, c.head_dim, dtype=self.head.dtype, device=dev
+        )
+        self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
         self._level = 0
-        return self.head.logits(self._last_h)
+        return self.head.logits(self._frontier_h[:, 0])
 
     @torch.no_grad()
     def expand(self, level: int, parent_rank: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, k, Vd] after each level-``level`` node (tokens [B, k], TARGET ids).
+        """Draft logits [B, k, Vd] after each level-``level`` node (tokens [B, k], TARGET ids),
+        sequence b at position m_b + level - 1.
 
         Node j continues the node of rank parent_rank[b, j] expanded at the previous call: its
-        pair is (that node's h2, embedding of its own token), at position m + level - 1.
-        """
+        pair is (that node's h2, embedding of its own token)."""
         self._check_expand(level, parent_rank, tokens)
         B, k = tokens.shape
         H, dev = self.head.cfg.hidden_size, self.head.device
-        rank = parent_rank.to(dev).long()  # [B, k]
-        h = self._frontier_h.gather(1, rank.unsqueeze(2).expand(B, k, H))  # parents' h2
+        rank = parent_rank.to(dev).long()
+        h = self._frontier_h.gather(1, rank.unsqueeze(2).expand(B, k, H))
         S = self._tree_mask.shape[2]
-        ancestors = self._tree_mask.gather(1, rank.unsqueeze(2).expand(B, k, S))  # [B, k, S]
+        ancestors = self._tree_mask.gather(1, rank.unsqueeze(2).expand(B, k, S))
         own = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)
-        tree_mask = torch.cat((ancestors, own), 2)  # [B, k, S + k] ancestor-or-self
-        m = self.cache.length
-        committed_k, committed_v = self.cache.rows(0, 0)  # [B, m, Hkv, D]
-        mask = torch.cat((torch.ones(B, k, m, dtype=torch.bool, device=dev), tree_mask), 2)
-        positions = torch.full((B, k), m + level - 1, dtype=torch.int64, device=dev)
+        tree_mask = torch.cat((ancestors, own), 2)
+        m_max = self._seen.shape[1]
+        mask = torch.cat((self._seen.view(B, 1, m_max).expand(B, k, m_max), tree_mask), 2)
+        if isinstance(self._m, int):  # one sequence
+            positions = torch.full((B, k), self._m + level - 1, dtype=torch.long, device=dev)
+        else:
+            positions = (self._m + (level - 1)).expand(B, k)
         h2, k_new, v_new = self.head.layer(
-            h,
-            tokens.to(dev).long(),
-            positions,
-            torch.cat((committed_k, self._tree_k), 1),
-            torch.cat((committed_v, self._tree_v), 1),
-            mask,
-        )
+            h, tokens.to(dev).long(), positions,
+            torch.cat((self._committed_k, self._tree_k), 1),
+            torch.cat((self._committed_v, self._tree_v), 1), mask,
+        )  # fmt: skip
         self._tree_k = torch.cat((self._tree_k, k_new), 1)
         self._tree_v = torch.cat((self._tree_v, v_new), 1)
         self._tree_mask, self._frontier_h, self._level = tree_mask, h2, level
@@ -159,7 +234,7 @@ class Eagle3Drafter:
                 f"expand(level={level}) after level {self._level}: call root_logits() and then "
                 "levels 1, 2, ... in order"
             )
-        B = self.batch
+        B = len(self.slots)
         if tokens.dim() != 2 or tokens.shape[0] != B or parent_rank.shape != tokens.shape:
             raise ValueError(
                 f"parent_rank and tokens must both be [B={B}, topk], got "
@@ -178,42 +253,33 @@ class Eagle3Drafter:
         outcome: Outcome,
         features: torch.Tensor | None,
     ) -> None:
-        """Append the pairs (features [B, N, F] of the root and accepted nodes, the accepted
-        tokens after the root then the bonus token); the tree's scratch K/V is dropped.
-
-        The accepted length comes from ``outcome`` (the step's one host read); the paths,
-        tokens and features are gathered on the device."""
+        """Queue each sequence's new pairs: the features of its root and accepted nodes, with
+        the accepted tokens after the root then its bonus token (lengths from ``outcome``)."""
         if features is None:
             raise ValueError(
                 "the EAGLE-3 drafter needs the target's features at the tree nodes; run the "
                 f"target with feature_layers={self.head.feature_layers}"
             )
-        if tree.tokens.shape[1] == 1:  # a plain step: the root's pair, nothing to gather
-            self._check_room(1)
-            self._pending.append((features, verdict.bonus_token.view(-1, 1).long()))
-            self._pending_rows += 1
-            self._level = -1
+        self._level = -1
+        B, N, F_in = features.shape
+        dev = features.device
+        bonus = verdict.bonus_token.to(dev).long().view(B, 1)
+        if N == 1:  # a plain step: each root's pair, nothing to gather
+            for b, slot in enumerate(self.slots):
+                self._queue(slot, features[b], bonus[b])
             return
         lens = outcome.accept_len
-        if any(n != lens[0] for n in lens):
-            raise ValueError(
-                f"accept_len={lens} differs across the batch; the head's cache keeps one "
-                "length for all sequences, so run batched EAGLE-3 drafting with batch=1"
-            )
-        n = lens[0]
-        path = verdict.accept_path[:, :n].long().to(features.device)  # [B, n] root first
-        B, _, F_in = features.shape
-        feats = features.gather(1, path.unsqueeze(2).expand(B, n, F_in))  # [B, n, F]
-        accepted = tree.tokens.to(path.device).long().gather(1, path[:, 1:])  # [B, n - 1]
-        bonus = verdict.bonus_token.to(path.device).long().view(B, 1)
-        self._check_room(n)
-        self._pending.append((feats, torch.cat((accepted, bonus), 1)))
-        self._pending_rows += n
-        self._level = -1
-
-    def _check_room(self, n: int) -> None:
-        if self.length + n > self.max_len:
-            raise ValueError(
-                f"the draft head needs {self.length + n} rows but its cache holds "
-                f"max_len={self.max_len}; raise max_len / shorten the prompt"
-            )
+        if B == 1:  # one sequence: its path, no padding
+            path = verdict.accept_path[0, : lens[0]].long().to(dev)  # root first
+            accepted = tree.tokens[0].to(dev).long()[path[1:]]
+            self._queue(self.slots[0], features[0, path], torch.cat((accepted, bonus[0])))
+            return
+        n = max(lens)
+        path = verdict.accept_path[:, :n].long().clamp(min=0).to(dev)  # [B, n] root first
+        feats = features.gather(1, path.unsqueeze(2).expand(B, n, F_in))
+        following = tree.tokens.to(dev).long().gather(1, path)  # token of node path[i]
+        nxt = torch.cat((following[:, 1:], following[:, :1]), 1)  # token after pair i
+        last = (verdict.accept_len.to(dev).long() - 1).view(B, 1)
+        nxt = nxt.scatter(1, last, bonus)
+        for b, slot in enumerate(self.slots):
+            self._queue(slot, feats[b, : lens[b]], nxt[b, : lens[b]])

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rheo_engine import kernels
 from rheo_engine.machine import kept_file, read_kept, write_kept
+from rheo_engine.spec import kernels
 
 FORCE = ("torch", "skinny")
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # n is timed at the first of these >= n (256 above 128)

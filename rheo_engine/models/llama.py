@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
 from rheo_engine.io.weights import load_safetensors
-from rheo_engine.kv_cache import KVCache, SlotBatch, SlotPool
+from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from rheo_engine import kernels
-from rheo_engine.verify import Outcome
+from rheo_engine.spec import kernels
+from rheo_engine.spec.verify import Outcome
 
 
 class NGramTable:

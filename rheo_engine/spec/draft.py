@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from rheo_engine import kernels
 from rheo_engine.config import TreeConfig
+from rheo_engine.spec import kernels
 
 
 class Drafter(Protocol):

@@ -1,23 +1,28 @@
 """OpenAI's API over the engine, without the HTTP: a request body's fields as engine options
 (``parse``), and a request's steps and Generation as OpenAI's response objects (``Call``), for
-/v1/completions and /v1/chat/completions. rheo_engine.serve puts them on HTTP.
+/v1/completions and /v1/chat/completions. rheo_engine.entrypoints.serve puts them on HTTP.
 
 Field names are OpenAI's, then vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens), then the engine's own (method, tree, topk, depth, total_tokens). Each field is
-checked for its JSON type here; Request checks the values (its message is the API's error).
+checked for its JSON type here; Request checks the values, and its message becomes the API's
+error (``engine_error``) in the request's own spelling: the field the client sent
+(max_tokens, not max_new_tokens) with JSON values (null, true), and that field as ``param``.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import math
+import re
 import time
 import uuid
 
-from rheo_engine.scheduler import Cancelled, Handle
-from rheo_engine.verify import TokenLogprob
+from rheo_engine.runtime.scheduler import Cancelled, Handle
+from rheo_engine.spec.verify import TokenLogprob
 
-__all__ = ["ApiError", "Call", "parse"]
+__all__ = ["ApiError", "Call", "engine_error", "parse"]
 
 # OpenAI's field name -> (JSON type, the engine option it sets or None). null means "not given".
 _COMMON = {
@@ -77,7 +82,7 @@ def _fields(body: dict, table: dict) -> dict:
             continue
         ok = isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
         if not ok:
-            raise ApiError(400, f"{name}={value!r} must be a JSON {kind}", name)
+            raise ApiError(400, f"{name}={json.dumps(value)} must be a JSON {kind}", name)
         out[name] = value
     return out
 
@@ -126,10 +131,78 @@ def parse(body: dict, chat: bool, context: int) -> tuple[object, int, dict, dict
     limit = given.get("max_completion_tokens", given.get("max_tokens"))
     max_new = (context if chat else 16) if limit is None else limit
     if max_new > context:
-        raise ApiError(
-            400, f"max_tokens={max_new} must be <= the context ({context})", "max_tokens"
-        )
+        name = _max_field(given)
+        raise ApiError(400, f"{name}={max_new} must be <= the context ({context})", name)
     return (_messages(given) if chat else _prompt(given)), max_new, options, given
+
+
+# --- the engine's errors in the request's spelling -------------------------------------------
+
+
+def _max_field(given: dict) -> str:
+    """The field that set max_new_tokens: max_completion_tokens if given, else max_tokens."""
+    return "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
+
+
+def _fields_of(given: dict, chat: bool) -> dict[str, str]:
+    """Engine option -> the request field that sets it, as this request spells it."""
+    table = {**_COMMON, **(_CHAT if chat else _COMPLETION)}
+    fields = {option: name for name, (_, option) in table.items() if option is not None}
+    fields["max_new_tokens"] = _max_field(given)
+    if not chat:  # completions' logprobs=N sets logprobs=True, top_logprobs=N
+        fields.update(logprobs="logprobs", top_logprobs="logprobs")
+    return fields
+
+
+@functools.lru_cache(maxsize=4)
+def _option_patterns(options: tuple[str, ...]) -> re.Pattern[str]:
+    """An engine option named in a message: ``name=value``, ``name[i]`` or a bare name with an
+    underscore (``max_new_tokens 4``; a bare ``stop`` or ``seed`` is prose)."""
+    alts = "|".join(sorted(options, key=len, reverse=True))
+    bare = "|".join(sorted((o for o in options if "_" in o), key=len, reverse=True))
+    return re.compile(
+        rf"(?<![\w./\[-])(?:({alts})=('(?:[^'\\]|\\.)*'|[^\s,;()\[\]]*)|({alts})(?=\[)|"
+        rf"({bare})(?![\w=./-]))"
+    )
+
+
+_JSON_LITERALS = {"None": "null", "True": "true", "False": "false"}
+
+
+def _json_value(value: str) -> str:
+    """A Python value in a message as JSON writes it: None -> null, 'x' -> "x"."""
+    tail = ""
+    while value and value[-1] in ".:":  # sentence punctuation after the value
+        value, tail = value[:-1], value[-1] + tail
+    if value.startswith("'"):
+        value = json.dumps(ast.literal_eval(value))
+    return _JSON_LITERALS.get(value, value) + tail
+
+
+def engine_error(err: ValueError, given: dict, chat: bool) -> ApiError:
+    """A ValueError of the engine (Request, the Scheduler) about this request as the API's 400:
+    each engine option named as the request field that sets it (max_new_tokens=0 ->
+    max_tokens=0, min_new_tokens -> min_tokens, completions' top_logprobs -> logprobs), Python
+    values as JSON (stop=None -> stop=null), ``param`` the first field named (else prompt or
+    messages for an error about the prompt), and context_length_exceeded for a prompt and
+    generation too long for the context or a KV slot."""
+    message, fields = " ".join(str(err).split()), _fields_of(given, chat)
+    named: list[str] = []
+
+    def field(m: re.Match) -> str:
+        option = m.group(1) or m.group(3) or m.group(4)
+        named.append(fields[option])
+        if m.group(1) is None:
+            return fields[option]
+        value = m.group(2)
+        return f"{fields[option]}={_json_value(value)}" if value else fields[option]
+
+    message = _option_patterns(tuple(fields)).sub(field, message)
+    param = named[0] if named else None
+    if param is None and re.search(r"\bprompt\b", message):
+        param = "messages" if chat else "prompt"
+    too_long = "context is" in message or "slot holds" in message
+    return ApiError(400, message, param, "context_length_exceeded" if too_long else None)
 
 
 def _token(tokenizer, lp: TokenLogprob) -> tuple[str, float, list[tuple[str, float]]]:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig
-from rheo_engine.draft import DraftTree
+from rheo_engine.spec import kernels
+from rheo_engine.spec.draft import DraftTree
 
 
 def _kernel_method(method: str) -> kernels.VerifyMethod:

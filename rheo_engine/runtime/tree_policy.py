@@ -2,7 +2,7 @@
 
 A policy answers ``choose(room, wanted)`` before a step and ``observe(cfg, outcome, seconds)``
 after it (``outcome``: the step's verdict as read on the host, verify.Outcome). ``FixedTree`` is
-the paper's tree cut to the context (loop.fit_tree).
+the paper's tree cut to the context (step.fit_tree).
 ``AutoTree`` (``tree="auto"``, the default) maximises predicted tokens per second:
 
     rate(D, N) = (1 + E[accepted | D, N]) / (step(D, N))      and     rate(plain) = 1 / plain
@@ -49,9 +49,9 @@ import numpy as np
 import torch
 
 from rheo_engine.config import TreeConfig
-from rheo_engine.loop import fit_tree
 from rheo_engine.machine import kept_file, write_kept
-from rheo_engine.verify import Outcome
+from rheo_engine.spec.step import fit_tree
+from rheo_engine.spec.verify import Outcome
 
 # Tree sizes the cost model considers (clipped to total_tokens) and where it times forwards.
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
@@ -134,8 +134,9 @@ class CostProfile:
         """Predicted seconds of a step drafting ``depth`` levels of ``topk`` rows and keeping
         ``n`` nodes; the head's commit of the accepted pairs costs about one level.
 
-        A step over ``batch`` sequences (rheo_engine.batch) is priced from the same one-sequence
-        measurements: the target forward at batch * n rows (what it runs: one forward over all
+        A step over ``batch`` sequences (rheo_engine.runtime.decoder) is priced from the same
+        one-sequence measurements: the target forward at batch * n rows (what it runs: one forward
+        over all
         trees), and drafting and verification ``batch`` times (each sequence's pool sampler and
         verification run on their own; the head's level forward over all rows is counted
         ``batch`` times too, an upper bound where its cost is per-operator overhead)."""
@@ -442,12 +443,13 @@ def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rheo_engine.tree_policy PROFILE.json`: the break-even tau of some trees."""
+    """`python -m rheo_engine.runtime.tree_policy PROFILE.json`: the break-even tau of some
+    trees."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m rheo_engine.tree_policy PROFILE.json (from --cost-profile)")
+        print("usage: python -m rheo_engine.runtime.tree_policy PROFILE.json (from --cost-profile)")
         return 2
     try:
         print(break_even_table(CostProfile.load(args[0])), end="")

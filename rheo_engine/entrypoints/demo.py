@@ -1,4 +1,4 @@
-"""`python -m rheo_engine.demo`: the kernels and the decode loop on an n-gram toy pair.
+"""`python -m rheo_engine.entrypoints.demo`: the kernels and the decode loop on an n-gram toy pair.
 
 Until the Llama engine and its embedded default model exist, this is the quick-start job: a
 random trigram target, a draft that is a noisy copy of it, and every method decoding the same
@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from rheo_engine import kernels
 from rheo_engine.config import METHODS, SamplingConfig, TreeConfig
-from rheo_engine.loop import decode
 from rheo_engine.models.ngram import NGramDraft, NGramTable, NGramTarget
+from rheo_engine.spec import kernels
+from rheo_engine.spec.step import decode
 
 
 def toy_pair(V: int, noise: float, seed: int) -> tuple[NGramTable, NGramTable]:

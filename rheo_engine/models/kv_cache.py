@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rheo_engine import kernels
+from rheo_engine.spec import kernels
 
 
 def _zeros_kv(what: str, n_layers: int, batch: int, rows: int, n_kv_heads: int, head_dim: int,
@@ -276,18 +276,34 @@ class SlotBatch:
             self.pool.lengths[s] = self.lengths[i]
         self._upload_lengths()
 
-    def commit_paths(self, paths: torch.Tensor, keep: list[int]) -> None:
+    def commit_paths(
+        self, paths: torch.Tensor, keep: list[int], keep_dev: torch.Tensor | None = None
+    ) -> None:
         """Ragged commit: sequence b keeps its uncommitted rows lengths[b] + paths[b, i] for
         i < keep[b] (ascending), moved down to lengths[b] + i. ``paths`` [B, P] on the device
-        (-1 padded), ``keep`` the host lengths. One gather and one scatter for the batch: the
-        padding entries copy a row onto itself."""
+        (-1 padded), ``keep`` the host lengths and ``keep_dev`` the same on the device (the
+        verdict's accept_len: with it the view's device lengths advance on the device, so the
+        next step of the same batch uploads nothing). One gather and one scatter for the
+        batch: the padding entries copy a row onto itself."""
         B, P = paths.shape
         if len(keep) != B:
             raise ValueError(f"keep has {len(keep)} lengths for a batch of {B}")
         width = max(keep)
         self.check_room(width)
+        if B == 1:  # one sequence: slices of its slot (advanced indexing copies first, so
+            # overlapping source and target rows are safe)
+            slot, lo, n = self.slots[0], self.lengths[0], keep[0]
+            rows = lo + paths[0, :n].long()
+            for cache in (self.pool.k, self.pool.v):
+                cache[:, slot, lo : lo + n] = cache[:, slot, rows]
+            self.lengths[0] += n
+            self.pool.lengths[slot] = self.lengths[0]
+            self._advance_lengths(keep_dev)
+            return
         i = torch.arange(width, device=paths.device).view(1, width)
-        kept = torch.tensor(keep, device=paths.device).view(B, 1)
+        kept = (
+            torch.tensor(keep, device=paths.device) if keep_dev is None else keep_dev.long()
+        ).view(B, 1)
         src = torch.where(i < kept, paths[:, :width].long(), i)  # padding: row i onto itself
         base = self.lengths_dev.long().view(B, 1)
         slots = self._slots_dev.long().view(B, 1)
@@ -296,4 +312,16 @@ class SlotBatch:
         for b, s in enumerate(self.slots):
             self.lengths[b] += keep[b]
             self.pool.lengths[s] = self.lengths[b]
-        self._upload_lengths()
+        self._advance_lengths(keep_dev)
+
+    def _advance_lengths(self, keep_dev: torch.Tensor | None) -> None:
+        if keep_dev is None or self._lens is None:
+            self._upload_lengths()
+        else:
+            self._lens, self._rows = self._lens + keep_dev.to(torch.int32), {}
+
+    @property
+    def current(self) -> bool:
+        """Whether the view still matches its slots' committed lengths (nothing else committed
+        to them since), so that a step of the same batch can reuse it."""
+        return all(self.pool.lengths[s] == n for s, n in zip(self.slots, self.lengths, strict=True))

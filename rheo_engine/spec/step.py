@@ -12,15 +12,16 @@ import dataclasses
 import numbers
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from rheo_engine import kernels
 from rheo_engine.config import SamplingConfig, TreeConfig
-from rheo_engine.draft import Drafter, DraftTree, draft_tree
-from rheo_engine.verify import History, Outcome, control_logits, read_outcome, verify_tree
+from rheo_engine.spec import kernels
+from rheo_engine.spec.draft import Drafter, DraftTree, SequenceCoins, draft_tree, pool_kind
+from rheo_engine.spec.verify import History, Outcome, control_logits, read_outcome, verify_tree
 
 
 class TargetModel(Protocol):
@@ -117,18 +118,40 @@ class StepTimes:
         return self.draft_s + self.verify_s + self.commit_s
 
 
+@dataclass(frozen=True)
+class Draw:
+    """What a batch entry draws with: its method (the pool sampler's kind and the verifier),
+    sampling controls, Philox seed and step index, and the history the per-node controls
+    (penalties, min_new_tokens' ban) read (None: no such control)."""
+
+    method: str
+    sampling: SamplingConfig
+    seed: int
+    step: int
+    history: History | None = None
+
+
 @dataclass
 class StepResult:
     draft: DraftTree
     verdict: kernels.Verdict  # on the device
     outcome: Outcome  # its host copy, read once
     times: StepTimes
-    logits: torch.Tensor | None = None  # the tree's controlled target logits (for logprobs)
+    # The tree's controlled target logits (for logprobs): [B, N, V], or one [1, N, V] per
+    # entry when each entry drew on its own (controls applied row by row).
+    logits: torch.Tensor | list[torch.Tensor] | None = None
 
     @property
     def emitted(self) -> list[list[int]]:
         """Per batch entry: accepted tokens then the bonus token."""
         return self.outcome.emitted
+
+    def entry_logits(self, b: int) -> torch.Tensor:
+        """Entry b's controlled target logits [1, N, V]."""
+        assert self.logits is not None
+        if isinstance(self.logits, list):
+            return self.logits[b]
+        return self.logits[b : b + 1]
 
 
 class _TimedDrafter:
@@ -164,18 +187,23 @@ class _Clock:
 
 def speculative_step(
     target: TargetModel,
-    drafter: DraftModel,
+    drafter: DraftModel | None,
     root_tokens: torch.Tensor,
     prefix_len: torch.Tensor,
     cfg: TreeConfig,
-    sampling: SamplingConfig,
-    seed: int,
-    step: int,
+    draws: Draw | Sequence[Draw],
     draft_to_target: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
-    history: History | None = None,
 ) -> StepResult:
-    """One step for B sequences: draft a tree per root, verify it, accept, commit.
+    """One step for B sequences: draft a tree per root, verify it, accept, commit. The engine's
+    only step: a request alone is a batch of one (rheo_engine.runtime.decoder), and the n-gram toy
+    of the losslessness tests runs it too.
+
+    ``draws``: one Draw for every row (B independent sequences of one stream: coins keyed by
+    the row in the batch, as the toy's Monte Carlo runs), or one per row (a batch of requests:
+    each entry draws its pools and its verification with its own method, controls, seed and
+    step, coins keyed within the entry, so it emits what it would alone, docs/batching.md).
+    ``drafter`` may be None for a root-only tree (method ``ar``).
 
     The step reads the device once (docs/kernels.md §5): drafting, the target forward and
     verification run with no host read, their shapes fixed by ``cfg`` and the cache length, both
@@ -183,28 +211,71 @@ def speculative_step(
     input in one status word, read with the verdict by read_outcome; the commits and the emitted
     tokens then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the
     device), so that a run of steps keeps its buffers at fixed addresses; None allocates one.
-    ``history`` (B = 1): the sequence so far, for the penalties and min_new_tokens' ban, which
-    logit controls apply at every node with its own history before verification.
     """
-    clock, times, timed = _Clock(), StepTimes(), _TimedDrafter(drafter)
+    shared = isinstance(draws, Draw)
+    B = root_tokens.shape[0]
+    if not shared and len(draws) != B:
+        raise ValueError(f"{len(draws)} draws for a batch of {B}; pass one Draw per row")
+    if drafter is None and cfg.method != "ar":
+        raise ValueError(f"method {cfg.method!r} drafts a tree: pass a drafter")
+    clock, times = _Clock(), StepTimes()
+    timed = None if drafter is None else _TimedDrafter(drafter)
     # [1] int32, the step's kernels OR into it
     status = kernels.status_word(root_tokens.device) if status is None else status.zero_()
-    dt = draft_tree(
-        timed, root_tokens, prefix_len, cfg, sampling.temperature, seed, step, draft_to_target,
-        status=status,
-    )  # fmt: skip
-    times.draft_s = clock.lap() - timed.elapsed
+    if shared:
+        d = draws
+        dt = draft_tree(
+            timed, root_tokens, prefix_len, cfg, d.sampling.temperature, d.seed, d.step,
+            draft_to_target, status=status,
+        )  # fmt: skip
+    else:
+        coins = [
+            SequenceCoins(d.sampling.temperature, pool_kind(d.method, d.sampling.temperature),
+                          d.seed, d.step)
+            for d in draws
+        ]  # fmt: skip
+        dt = draft_tree(
+            timed, root_tokens, prefix_len, cfg, 0.0, 0, 0, draft_to_target, status=status,
+            coins=coins,
+        )  # fmt: skip
+    head_s = 0.0 if timed is None else timed.elapsed
+    times.draft_s = clock.lap() - head_s
     logits, features = target.forward_tree(dt.tree)
     times.target_s = clock.lap()
-    logits = control_logits(logits, dt.tree, history, status)
-    verdict = verify_tree(logits, dt, cfg.method, sampling, seed, step, status)
+    if shared or B == 1:
+        d = draws if shared else draws[0]
+        controlled = control_logits(logits, dt.tree, d.history, status)
+        verdict = verify_tree(controlled, dt, d.method, d.sampling, d.seed, d.step, status)
+    else:
+        controlled, verdicts = [], []
+        for b, d in enumerate(draws):
+            tree_b = _entry_tree(dt.tree, b)
+            logits_b = control_logits(logits[b : b + 1], tree_b, d.history, status)
+            controlled.append(logits_b)
+            verdicts.append(verify_tree(
+                logits_b, DraftTree(tree_b, dt.q_tilde_ids, dt.q_tilde), d.method, d.sampling,
+                d.seed, d.step, status,
+            ))  # fmt: skip
+        verdict = kernels.Verdict(
+            *(torch.cat([getattr(v, n) for v in verdicts]) for n in _VERDICT_FIELDS)
+        )
     outcome = read_outcome(dt.tree, verdict, status)  # the step's one host read; raises on bad
     times.verify_s = clock.lap()
-    drafter.commit(dt.tree, verdict, outcome, features)
-    times.head_s = timed.elapsed + clock.lap()
+    if drafter is not None:
+        drafter.commit(dt.tree, verdict, outcome, features)
+    times.head_s = head_s + clock.lap()
     target.commit(dt.tree, verdict, outcome)
     times.commit_s = clock.lap()
-    return StepResult(dt, verdict, outcome, times, logits)
+    return StepResult(dt, verdict, outcome, times, controlled)
+
+
+_VERDICT_FIELDS = tuple(f.name for f in dataclasses.fields(kernels.Verdict))
+
+
+def _entry_tree(tree: kernels.Tree, b: int) -> kernels.Tree:
+    """Row b of a batch of trees (views)."""
+    fields = dataclasses.fields(tree)
+    return kernels.Tree(**{f.name: getattr(tree, f.name)[b : b + 1] for f in fields})
 
 
 @dataclass
@@ -232,9 +303,8 @@ def decode(
     status = kernels.status_word(root_tokens.device)
     step = first_step
     while min(len(t) for t in out.tokens) < max_new_tokens:
-        result = speculative_step(
-            target, drafter, roots, prefix, cfg, sampling, seed, step, status=status
-        )
+        draw = Draw(cfg.method, sampling, seed, step)
+        result = speculative_step(target, drafter, roots, prefix, cfg, draw, status=status)
         for b, new in enumerate(result.emitted):
             out.tokens[b].extend(new)
             out.accept_lengths[b].append(len(new))

@@ -1,8 +1,8 @@
 """A thread-safe front over one Engine: ``Scheduler.submit`` from any thread or event loop.
 
 One worker thread owns the engine and decodes the running requests as one batch
-(rheo_engine.batch), admitting waiting ones from a bounded queue between steps; each request's
-steps reach its caller through its ``Handle`` (iterate it, or ``async for`` over it).
+(rheo_engine.runtime.decoder), admitting waiting ones from a bounded queue between steps; each
+request's steps reach its caller through its ``Handle`` (iterate it, or ``async for`` over it).
 
     scheduler = Scheduler(engine, max_queue=16)
     handle = scheduler.submit("Once upon a time", 64, temperature=0)   # checked here
@@ -19,16 +19,22 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from rheo_engine.batch import BatchDecoder, Sequence
-from rheo_engine.request import Generation, Request
-from rheo_engine.verify import TokenLogprob
+from rheo_engine.runtime.decoder import BatchDecoder, SeqState
+from rheo_engine.runtime.request import Generation, Request
+from rheo_engine.spec.verify import TokenLogprob
 
-if TYPE_CHECKING:
-    from rheo_engine.engine import Engine
+
+class RequestSource(Protocol):
+    """What a scheduler needs of an engine (rheo_engine.runtime.engine.Engine is one)."""
+
+    def request(self, prompt, max_new_tokens: int = 128, **options) -> Request: ...
+
+    def decoder(self, max_batch: int = 8, max_len: int | None = None) -> BatchDecoder: ...
+
 
 __all__ = ["Cancelled", "Handle", "QueueFull", "Scheduler", "Step"]
 
@@ -168,8 +174,9 @@ class Handle:
 
 class Scheduler:
     """Serves an Engine's requests from any thread or event loop with continuous batching: one
-    worker thread owns the engine and a BatchDecoder (rheo_engine.batch) of up to ``max_batch``
-    sequences; between two steps it lets finished and cancelled requests go (their KV slot is
+    worker thread owns the engine and a BatchDecoder (rheo_engine.runtime.decoder) of up to
+    ``max_batch`` sequences; between two steps it lets finished and cancelled requests go (their KV
+    slot is
     freed at once) and admits waiting ones (their prefill runs, and they join the next step).
     At most ``max_queue`` requests wait for a slot; ``submit`` past that raises QueueFull.
     ``max_len`` bounds each slot's rows (default: the target's context, at most 4096), so the
@@ -177,16 +184,20 @@ class Scheduler:
     is refused by ``submit`` (ValueError)."""
 
     def __init__(
-        self, engine: Engine, max_queue: int = 64, max_batch: int = 8, max_len: int | None = None
+        self,
+        engine: RequestSource,
+        max_queue: int = 64,
+        max_batch: int = 8,
+        max_len: int | None = None,
     ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r} must be an int >= 1")
         self.engine, self.max_queue = engine, max_queue
-        self.decoder = BatchDecoder(engine, max_batch, max_len)
+        self.decoder = engine.decoder(max_batch, max_len)
         self.max_batch = max_batch
         self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
-        self._running: dict[int, Handle] = {}  # id(Sequence) -> its handle
+        self._running: dict[int, Handle] = {}  # id(SeqState) -> its handle
         self._closing = False
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # steps per batch size
@@ -246,7 +257,7 @@ class Scheduler:
     # --- the worker ---------------------------------------------------------------------------
 
     def _work(self) -> None:
-        seqs: dict[int, tuple[Sequence, Handle]] = {}
+        seqs: dict[int, tuple[SeqState, Handle]] = {}
         while True:
             # Admit while there is room; block for work only when nothing runs.
             while not self.decoder.full:
@@ -298,7 +309,7 @@ class Scheduler:
         with self._lock:
             self._running[id(seq)] = handle
 
-    def _forget(self, seq: Sequence, seqs: dict) -> None:
+    def _forget(self, seq: SeqState, seqs: dict) -> None:
         self.decoder.release(seq)  # frees its KV slot now
         seqs.pop(id(seq), None)
         with self._lock:

@@ -155,14 +155,17 @@ class StopStrings:
 
 
 def check_stop(stop: object) -> tuple[str, ...]:
-    """The request's `stop` argument as a tuple of distinct non-empty strings, in given order."""
+    """The request's `stop` argument as a tuple of distinct non-empty strings, in given order.
+
+    Errors are in the Python API's spelling (stop=None); the CLI and the server say them in
+    their own (rheo_engine.generate checks --stop itself, rheo_engine.openai_api translates)."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         if not stop:
             raise ValueError(
-                'stop="" would match before any text; pass None for no stop strings, or a '
-                "non-empty str"
+                'stop="" would match before any text; pass stop=None for no stop strings, or '
+                "a non-empty str"
             )
         stop = [stop]
     elif not isinstance(stop, (list, tuple)):

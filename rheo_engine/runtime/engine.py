@@ -1,8 +1,10 @@
 """The Python API: ``Engine.from_pretrained``, ``engine.generate``, ``engine.stream``.
 
 An Engine holds a target, an optional EAGLE-3 head, the tokenizer and the target's
-generation_config.json; each call is one Request (rheo_engine.request), run one at a time. No
-global state: two engines in one process share nothing but the read-only kernels.
+generation_config.json. Every call ends in one decoder (rheo_engine.runtime.decoder.BatchDecoder)
+and its one step function: a prompt is a batch of one, a list of prompts a batch, and agenerate /
+astream (and the server) feed the scheduler's decoder. Two engines in one process share the
+read-only kernels and torch's thread count (the engine sets it, see ``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -13,21 +15,22 @@ from pathlib import Path
 
 import torch
 
-from rheo_engine import kernels
-from rheo_engine.batch import BatchDecoder
 from rheo_engine.io.generation_config import GenerationDefaults
 from rheo_engine.io.gguf import is_gguf, read_gguf
 from rheo_engine.io.tokenizer import Tokenizer
+from rheo_engine.machine import default_threads
 from rheo_engine.models.eagle3 import Eagle3Head
-from rheo_engine.models.llama import LlamaModel
-from rheo_engine.pairs import resolve_pair
-from rheo_engine.request import TREES, Generation, Request
-from rheo_engine.scheduler import Scheduler
-from rheo_engine.tree_policy import CostProfile
+from rheo_engine.models.llama import LlamaModel, parameter_count
+from rheo_engine.runtime.decoder import BatchDecoder, solo_rows
+from rheo_engine.runtime.pairs import resolve_pair
+from rheo_engine.runtime.request import TREES, Generation, Request, RequestContext
+from rheo_engine.runtime.scheduler import Scheduler
+from rheo_engine.runtime.tree_policy import CostProfile
+from rheo_engine.spec import kernels
 
 __all__ = ["DEFAULT_PAIR", "TREES", "Engine", "Generation", "Request"]
 
-DEFAULT_PAIR = Path(__file__).resolve().parents[1] / "weights" / "default"
+DEFAULT_PAIR = Path(__file__).resolve().parents[2] / "weights" / "default"
 
 
 def _check_device(device: str | torch.device) -> torch.device:
@@ -91,6 +94,7 @@ class Engine:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys((*tokenizer.eos_ids, *extra)))
         # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
         self.cost_profiles: dict[str, CostProfile] = {}
+        self.threads = torch.get_num_threads()  # what from_pretrained chose (CPU)
         self._scheduler: Scheduler | None = None
         self._scheduler_lock = threading.Lock()
 
@@ -102,16 +106,26 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         pair: str | None = None,
+        threads: int | None = None,
     ) -> Engine:
         """Load a target (an HF Llama directory, or a llama ``.gguf`` file, dequantized) and an
-        EAGLE-3 head directory (None: no drafting), or a named ``pair`` (rheo_engine.pairs:
+        EAGLE-3 head directory (None: no drafting), or a named ``pair`` (rheo_engine.runtime.pairs:
         "default", "smollm2").
 
         With none of them, loads the embedded default pair from weights/default/. ``device`` is
         checked first: one that torch or this build cannot use is a ValueError listing those
         that are available.
+
+        ``threads``: torch's CPU threads (process-wide, ``torch.set_num_threads``) for a CPU
+        engine; None chooses as the CLI does: 1 below 1B target parameters (a small model is
+        bound by per-operator overhead, and threads that spin on a shared core made it up to
+        30x slower), else torch's default. ``engine.threads`` says what was set.
         """
         device = _check_device(device)
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        ):
+            raise ValueError(f"threads={threads!r} must be an int >= 1 (or None: chosen)")
         if pair is not None:
             if target is not None or draft is not None:
                 raise ValueError(
@@ -137,6 +151,8 @@ class Engine:
             model = LlamaModel.from_pretrained(target, device=device, dtype=dtype)
             tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
         head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, dtype)
+        if device.type == "cpu":
+            torch.set_num_threads(threads or default_threads(parameter_count(model.cfg)))
         return cls(model, head, tokenizer, defaults)
 
     # --- the public calls -----------------------------------------------------------------
@@ -145,8 +161,8 @@ class Engine:
         """Generate after ``prompt`` (text or token ids); options as in ``stream``.
 
         A list of prompts (a list of str, of token-id lists, or of message lists) is an explicit
-        batch: decoded together (rheo_engine.batch, one target forward per step for all) and
-        returned as a list of Generations in order. Options apply to every prompt, except
+        batch: decoded together (rheo_engine.runtime.decoder, one target forward per step for all)
+        and returned as a list of Generations in order. Options apply to every prompt, except
         ``seed``, which may be a list (one per prompt); ``max_batch`` (default 8) bounds how many
         run at once. Each gives the tokens it would give alone with the same seed (one tree
         shape per step for the batch: with tree="fixed" exactly the same trees)."""
@@ -157,6 +173,18 @@ class Engine:
             pass
         assert request.result is not None
         return request.result
+
+    def decoder(self, max_batch: int = 8, max_len: int | None = None) -> BatchDecoder:
+        """A decoder of ``max_batch`` KV slots of ``max_len`` rows over this engine's models
+        (rheo_engine.runtime.decoder; the scheduler's, or a list of prompts')."""
+        return BatchDecoder(self.target, self.head, max_batch, max_len, self.cost_profiles)
+
+    def _run_alone(self, request: Request):
+        """Iterate a request on a decoder of one slot sized for it (prompt + max_new_tokens +
+        one tree): the step function every other entry point runs."""
+        head = self.head if request.drafts else None
+        decoder = BatchDecoder(self.target, head, 1, solo_rows(request), self.cost_profiles)
+        yield from decoder.run_one(request)
 
     def _generate_batch(
         self, prompts: list, max_new_tokens: int, max_batch: int = 8, seed=None, **options
@@ -173,7 +201,7 @@ class Engine:
             self.request(p, max_new_tokens, seed=s, **options)
             for p, s in zip(prompts, seeds, strict=True)
         ]
-        return BatchDecoder(self, max_batch=min(max_batch, len(requests))).run(requests)
+        return self.decoder(max_batch=min(max_batch, len(requests))).run(requests)
 
     def stream(
         self, prompt: str | list[int], max_new_tokens: int = 128, **options
@@ -212,8 +240,9 @@ class Engine:
 
     @property
     def scheduler(self) -> Scheduler:
-        """The engine's Scheduler (rheo_engine.scheduler; made on first use): one worker thread
-        that serves agenerate / astream (and the server) one request at a time, from a queue."""
+        """The engine's Scheduler (rheo_engine.runtime.scheduler; made on first use): one worker
+        thread that serves agenerate / astream (and the server) one request at a time, from a
+        queue."""
         with self._scheduler_lock:
             if self._scheduler is None:
                 self._scheduler = Scheduler(self)
@@ -238,4 +267,9 @@ class Engine:
     def request(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Request:
         """A generation to iterate step by step: yields each step's new token ids; afterwards
         ``.result`` holds the Generation. Arguments are checked here, before any work."""
-        return Request(self, prompt, max_new_tokens, **options)
+        context = RequestContext(
+            self.tokenizer, self.eos_ids, self.target.cfg.vocab_size,
+            self.target.cfg.max_position_embeddings, self.head is not None,
+            self.generation_config,
+        )  # fmt: skip
+        return Request(context, prompt, max_new_tokens, **options, run=self._run_alone)

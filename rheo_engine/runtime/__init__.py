@@ -1,0 +1,1 @@
+"""Running requests: the engine, the decoder, requests, the scheduler and the tree policy."""

@@ -1,0 +1,434 @@
+"""The decoder: every request runs here, alone (a batch of one) or with others.
+
+``BatchDecoder`` holds the KV memory (kv_cache.SlotPool: a slot per running sequence) and the
+head's drafting state (models.eagle3_drafter, the same slots), admits requests between steps
+(their prefill runs at once, and they join the next step), runs steps (step.speculative_step,
+the engine's only step function) and lets finished requests go. ``Engine.generate(str)``,
+``stream``, the CLI and the benches run a decoder of one slot per request; a list of prompts,
+``agenerate``/``astream`` and the server run one decoder of ``max_batch`` slots (the
+scheduler's).
+
+What a sequence draws never depends on its batch: its pools and its verification take its own
+request seed, its own step count, temperature and controls (step.Draw: one pool sampler call
+per sequence and level, one verification per sequence), with coins keyed within the sequence,
+so a request gives the tokens it gives alone (tests/test_batch.py), up to the float rounding of
+a wider matmul.
+
+One tree shape per step for the batch (the kernels' [B, N] layout): requests whose trees may
+differ (one that drafts vs one that never does, topk/depth/total_tokens, tree="fixed"/"auto")
+form separate groups (``TreeGroup``), and a step runs one group; methods topk, rrsw and rheo
+share a group (each entry's pools and verification follow its own method). A group's tree is
+chosen before the step from what is known then (each sequence's free rows and tokens still
+wanted, the policy's past evidence): lossless as for one request (docs/tree_policy.md §7). The
+auto tree prices trees for the group's batch size (tree_policy.CostProfile.step_s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rheo_engine.config import TreeConfig
+from rheo_engine.models.eagle3 import Eagle3Head
+from rheo_engine.models.eagle3_drafter import Eagle3Drafter
+from rheo_engine.models.kv_cache import SlotBatch
+from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.request import Request
+from rheo_engine.runtime.tree_policy import (
+    AutoTree,
+    CostProfile,
+    FixedTree,
+    cached_profile,
+    keep_profile,
+    measure_profile,
+    profile_key,
+    topk_choices,
+)
+from rheo_engine.spec import kernels
+from rheo_engine.spec.draft import draft_tree, pool_kind, root_only_tree
+from rheo_engine.spec.step import Draw, speculative_step
+from rheo_engine.spec.verify import Outcome, emitted_logprobs, verify_tree
+
+__all__ = ["BatchDecoder", "SeqState", "TreeGroup"]
+
+
+@dataclass(frozen=True)
+class TreeGroup:
+    """What decides a request's trees: requests of one group can share a step's tree shape."""
+
+    drafts: bool  # False: every step is the root alone (ar, total_tokens=1, one new token)
+    tree: str  # "auto" or "fixed"
+    topk: int
+    depth: int
+    total_tokens: int
+    leads: int
+    support: int
+    profile: int | None  # id() of a CostProfile the request brought, None: the engine's
+
+
+@dataclass
+class SeqState:
+    """A running request's decoding state in the decoder."""
+
+    request: Request
+    slot: int
+    root: torch.Tensor  # [1] int64: the next tree's root (last token not yet run)
+    group: TreeGroup
+    limit: int  # rows the sequence may reach: the target's context, or the slot
+    step: int = 0
+    emitted: int = 0  # tokens the steps emitted so far (before the request's own cut)
+    stop: str | None = None  # why it ended (None while it runs)
+
+
+def _outcome_row(outcome: Outcome, b: int) -> Outcome:
+    return Outcome(
+        accept_len=outcome.accept_len[b : b + 1], bonus_token=outcome.bonus_token[b : b + 1],
+        accept_path=outcome.accept_path[b : b + 1], path_tokens=outcome.path_tokens[b : b + 1],
+        depth=outcome.depth[b : b + 1], status=outcome.status,
+    )  # fmt: skip
+
+
+class _SlotTarget:
+    """The target over one batch of KV slots, as step.speculative_step sees it: a tree's
+    forward (mask and positions come with the tree) and the ragged commit of each entry's path."""
+
+    def __init__(self, model: LlamaModel, view: SlotBatch, feature_layers: tuple[int, ...]):
+        self.model, self.view, self.feature_layers = model, view, feature_layers
+
+    def forward_tree(self, tree: kernels.Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model.forward(
+            tree.tokens.long(), tree.positions.long(), self.view, tree.tree_mask,
+            self.feature_layers,
+        )  # fmt: skip
+
+    def commit(self, tree: kernels.Tree, verdict: kernels.Verdict, outcome: Outcome) -> None:
+        self.view.commit_paths(verdict.accept_path, outcome.accept_len, verdict.accept_len)
+
+
+DEFAULT_MAX_LEN = 4096  # rows per slot when not given (a long-context model's full context
+# in every slot would take max_batch times its whole KV up front: 137 GB for a Llama-3-8B)
+
+
+def solo_rows(request: Request) -> int:
+    """The rows a request alone can need: its prompt, max_new_tokens and one tree."""
+    tree_rows = request.tree_cfg.total_tokens if request.drafts else 1
+    return min(request.context, len(request.prompt_ids) + request.max_new_tokens + tree_rows)
+
+
+class BatchDecoder:
+    """Decodes up to ``max_batch`` requests at once (one thread at a time: the caller of
+    ``Engine.generate``, or the scheduler's worker).
+
+    KV memory is ``max_batch`` slots of ``max_len`` rows (default: the target's context, at
+    most DEFAULT_MAX_LEN), allocated up front; ``admit`` raises ValueError for a request that
+    cannot fit a slot, and ``full`` says when no slot is free. ``profiles``: the auto tree's
+    cost profiles by profile_key, shared with whoever made the decoder (the engine keeps one
+    dict for all its decoders)."""
+
+    def __init__(
+        self,
+        target: LlamaModel,
+        head: Eagle3Head | None,
+        max_batch: int = 8,
+        max_len: int | None = None,
+        profiles: dict[str, CostProfile] | None = None,
+    ) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
+        context = target.cfg.max_position_embeddings
+        max_len = min(context, DEFAULT_MAX_LEN) if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"max_len={max_len!r} must be an int >= 2 (rows per sequence)")
+        self.target, self.head = target, head
+        self.max_batch, self.max_len = max_batch, min(max_len, context)
+        self.profiles = {} if profiles is None else profiles
+        self.pool = target.new_pool(self.max_len, max_batch)
+        self.drafter = None if head is None else Eagle3Drafter(head, self.max_len, max_batch)
+        self.status = kernels.status_word(target.device)
+        self.running: list[SeqState] = []
+        self._policies: dict[TreeGroup, FixedTree | AutoTree] = {}
+        self._views: dict[tuple[int, ...], SlotBatch] = {}  # the last view of each batch
+        self._turn = 0  # round robin over the groups
+
+    @property
+    def full(self) -> bool:
+        return self.pool.free_slots == 0
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError if ``request`` could never run in a slot of this decoder."""
+        need = len(request.prompt_ids) + request.max_new_tokens
+        if need > self.max_len and self.max_len < request.context:
+            raise ValueError(
+                f"the request needs {need} rows (prompt {len(request.prompt_ids)} + "
+                f"max_new_tokens {request.max_new_tokens}) but a batch slot holds max_len="
+                f"{self.max_len}; lower max_new_tokens or make the scheduler with a larger max_len"
+            )
+        if request.drafts and self.drafter is None:
+            raise ValueError(
+                f"method={request.tree_cfg.method!r} drafts but this decoder has no draft head"
+            )
+
+    # --- joining and leaving ----------------------------------------------------------------
+
+    def admit(self, request: Request) -> SeqState:
+        """Prefill ``request`` into a free slot; it joins the next step of its group."""
+        self.check(request)
+        slot = self.pool.acquire()
+        try:
+            return self._prefill(request, slot)
+        except BaseException:
+            self.pool.release(slot)
+            if self.drafter is not None:
+                self.drafter.release(slot)
+            raise
+
+    @torch.no_grad()
+    def _prefill(self, request: Request, slot: int) -> SeqState:
+        """Run the target over the prompt but its last token (the first root) and queue the
+        head's pairs: only the K/V and the features are kept, no vocabulary projection."""
+        request.begin()
+        start = time.perf_counter()
+        drafts = request.drafts
+        layers = self.head.feature_layers if drafts else ()
+        view = self.pool.batch([slot])
+        ids = torch.tensor([request.prompt_ids], device=self.target.device)  # one upload
+        if ids.shape[1] > 1:
+            body = ids[:, :-1]
+            positions = torch.arange(body.shape[1], device=ids.device).unsqueeze(0)
+            _, features = self.target.forward(
+                body, positions, view, None, layers, last_logits_only=True
+            )
+            view.advance(body.shape[1])
+            if drafts:
+                self.drafter.prefill(features, ids[:, 1:], [slot])
+        cfg = request.tree_cfg
+        profile = id(request.cost_profile) if request.cost_profile else None
+        group = TreeGroup(drafts, request.tree, cfg.topk, cfg.depth, cfg.total_tokens, cfg.leads,
+                          cfg.support, profile)  # fmt: skip
+        request.prefill_s = time.perf_counter() - start
+        seq = SeqState(request, slot, ids[:, -1], group, min(request.context, self.max_len))
+        self.running.append(seq)
+        return seq
+
+    def release(self, seq: SeqState) -> None:
+        """Free a sequence's slot (finished, cancelled or failed). The last sequence of a group
+        takes the group's tree policy with it: the next request of that kind starts afresh, as
+        alone (its cost profile stays cached), so a seeded request reproduces."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.slot)
+            if self.drafter is not None:
+                self.drafter.release(seq.slot)
+            self._views = {k: v for k, v in self._views.items() if seq.slot not in k}
+            if not any(s.group == seq.group for s in self.running):
+                self._policies.pop(seq.group, None)
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[SeqState, list[int], str | None]]:
+        """One step of the next group (round robin): per sequence, the tokens it keeps (after
+        the request's cut: EOS, stop strings, max_new_tokens) and why it stopped (None: it goes
+        on). Finished sequences are released."""
+        groups = list(dict.fromkeys(s.group for s in self.running))
+        if not groups:
+            return []
+        group = groups[self._turn % len(groups)]
+        self._turn += 1
+        seqs = [s for s in self.running if s.group == group]
+        out = []
+        results = [r for part in self._plan(seqs) for r in self._step(*part)]
+        for seq, emitted, logprobs in results:
+            kept, stop = seq.request.take(emitted, logprobs)
+            if stop is None and self.pool.lengths[seq.slot] >= seq.limit:
+                stop = "context"
+            seq.stop = stop
+            if stop is not None:
+                seq.request.end(stop)
+                self.release(seq)
+            out.append((seq, kept, stop))
+        return out
+
+    def run_one(self, request: Request) -> Iterator[list[int]]:
+        """Decode one request to its end, yielding the tokens each step keeps (the request's
+        ``text_piece`` and ``step_logprobs`` go with them); its Generation is then
+        ``request.result``."""
+        seq = self.admit(request)
+        try:
+            while seq.stop is None:
+                for _, kept, _ in self.step():
+                    yield kept
+        finally:
+            self.release(seq)  # also when the caller stops early
+
+    def run(self, requests: list[Request]) -> list:
+        """Decode ``requests`` to their ends (an explicit batch; more than max_batch wait for a
+        free slot) and return their Generations in order."""
+        for r in requests:
+            self.check(r)
+        waiting = list(requests)
+        while waiting or self.running:
+            while waiting and not self.full:
+                self.admit(waiting.pop(0))
+            self.step()
+        return [r.result for r in requests]
+
+    def _plan(self, seqs: list[SeqState]) -> list[tuple[list[SeqState], TreeConfig, object]]:
+        """The step's batches and their trees. A fixed tree is cut per sequence to its own free
+        rows and tokens still wanted (step.fit_tree), exactly as alone, and sequences whose cut
+        differs (near their end) run as separate batches of the step: so a request gives its
+        lone tokens in any batch. The auto tree picks one tree for the batch, priced for its
+        size, within the room every sequence has and the most tokens any still wants."""
+        if not seqs[0].group.drafts or any(self.drafter.length(s.slot) == 0 for s in seqs):
+            # A head needs one (feature, token) pair before it can draft, so the first step of
+            # a one-token prompt is a plain target step.
+            return [(seqs, TreeConfig("ar"), None)]
+        policy = self._policy(seqs[0])
+
+        def room(s: SeqState) -> int:
+            return s.limit - self.pool.lengths[s.slot]
+
+        def wanted(s: SeqState) -> int:
+            return s.request.max_new_tokens - s.emitted
+
+        # Lossless (docs/tree_policy.md §7): the policy fixes the tree from what is known before
+        # the step (the free rows, the tokens still wanted, past steps and measured costs),
+        # never from its coins or logits; see tree_policy and step.fit_tree.
+        if isinstance(policy, AutoTree):
+            policy.set_batch(len(seqs))
+            cfg = policy.choose(min(map(room, seqs)), max(map(wanted, seqs)))
+            return [(seqs, cfg, policy)]
+        parts: dict[TreeConfig, list[SeqState]] = {}
+        for s in seqs:
+            parts.setdefault(policy.choose(room(s), wanted(s)), []).append(s)
+        return [(part, cfg, policy) for cfg, part in parts.items()]
+
+    @torch.no_grad()
+    def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy):
+        start = time.perf_counter()
+        drafts = seqs[0].group.drafts
+        view = self._view([s.slot for s in seqs])
+        target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else ())
+        if drafts:
+            self.drafter.begin(view.slots)
+        draws = [
+            Draw(s.request.tree_cfg.method, s.request.sampling, s.request.seed, s.step,
+                 s.request.history)
+            for s in seqs
+        ]  # fmt: skip
+        # Nothing between two steps reads the device: the prefix lengths go up with the view,
+        # and the roots and the tree policy's evidence come from the step's one read.
+        result = speculative_step(
+            target, self.drafter if drafts else None, torch.cat([s.root for s in seqs]),
+            view.lengths_dev, cfg, draws, self.head.draft_to_target if drafts else None,
+            self.status,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        predicted = getattr(policy, "predicted_s", None)
+        out = []
+        for b, s in enumerate(seqs):
+            r, row = s.request, _outcome_row(result.outcome, b)
+            if policy is not None:
+                policy.observe(cfg, row, seconds)
+            r.trees.add(cfg, predicted, seconds)
+            r.times.add(result.times)
+            logprobs = []
+            if r.logprobs:
+                logprobs = emitted_logprobs(result.entry_logits(b), row, r.sampling,
+                                            r.top_logprobs)  # fmt: skip
+            emitted = result.emitted[b]
+            s.root = result.verdict.bonus_token[b : b + 1].long()
+            s.step += 1
+            s.emitted += len(emitted)
+            out.append((s, emitted, logprobs))
+        return out
+
+    def _view(self, slots: list[int]) -> SlotBatch:
+        """The KV view of a batch of slots: the last step's, while its lengths are current
+        (its device lengths then advance on the device: a step uploads nothing), else new."""
+        key = tuple(slots)
+        view = self._views.get(key)
+        if view is None or not view.current:
+            view = self._views[key] = self.pool.batch(slots)
+            for other in [k for k in self._views if k != key and set(k) & set(key)]:
+                del self._views[other]  # a slot moved on: those views are stale
+        return view
+
+    # --- the auto tree's costs ------------------------------------------------------------
+
+    def _policy(self, seq: SeqState) -> FixedTree | AutoTree:
+        """The group's tree policy: fixed, or the auto tree over a cost profile: the request's
+        own, the one kept for this (model, device, dtype, threads, pool) in this process or on
+        this machine (rheo_engine.machine), or measured now on this sequence's slot (the time
+        it takes is reported apart: Generation.measure_s)."""
+        policy = self._policies.get(seq.group)
+        if policy is not None:
+            return policy
+        request, cfg = seq.request, seq.request.tree_cfg
+        if request.tree == "fixed":
+            policy = FixedTree(cfg)
+        else:
+            head, target = self.head, self.target
+            pool = pool_kind(cfg.method, request.sampling.temperature)
+            key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk)
+            profile = request.cost_profile
+            if isinstance(profile, CostProfile):
+                if profile.key != key:
+                    raise ValueError(
+                        f"cost profile measured for '{profile.key}' but this request runs "
+                        f"'{key}'; omit cost_profile= (or delete the file) to measure here, or "
+                        "pass a match"
+                    )
+            else:
+                profile = self.profiles.get(key) or cached_profile(key)
+            if profile is None:
+                start = time.perf_counter()
+                profile = self._measure(seq, key)
+                request.measure_s += time.perf_counter() - start
+                if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
+                    self.profiles[key] = profile  # covers every tree: reuse it
+                    keep_profile(profile)  # and in the next process on this machine
+            elif not isinstance(request.cost_profile, CostProfile):
+                self.profiles.setdefault(key, profile)
+            if isinstance(request.cost_profile, (str, Path)):  # a path not there yet
+                profile.save(request.cost_profile)
+            policy = AutoTree(cfg, profile)
+        self._policies[seq.group] = policy
+        return policy
+
+    def _measure(self, seq: SeqState, key: str) -> CostProfile:
+        """Time target forwards, draft levels and verification on this sequence's own state
+        (its slot's committed rows and head pairs; the trees are run and never committed)."""
+        request, cfg, head = seq.request, seq.request.tree_cfg, self.head
+        view = self.pool.batch([seq.slot])
+        target = _SlotTarget(self.target, view, head.feature_layers)
+        self.drafter.begin([seq.slot])
+        prefix = view.lengths_dev
+        # Coins of a step index no request reaches, so the times measured (which the trees of
+        # this request depend on) share no randomness with any step.
+        probe_step = 2**40
+
+        def draft(depth: int, n: int, topk: int):
+            if n == 1:
+                return root_only_tree(seq.root, prefix)
+            n = min(n, 1 + topk + (depth - 1) * topk**2)  # what depth levels can grow
+            shape = dataclasses.replace(cfg, topk=topk, depth=depth, total_tokens=n)
+            return draft_tree(
+                self.drafter, seq.root, prefix, shape, request.sampling.temperature,
+                request.seed, probe_step, head.draft_to_target,
+            )  # fmt: skip
+
+        def verify(logits: torch.Tensor, dt) -> None:
+            verify_tree(logits, dt, cfg.method, request.sampling, request.seed, probe_step)
+
+        free = self.max_len - self.pool.lengths[seq.slot]
+        with torch.no_grad():
+            return measure_profile(
+                key, lambda tree: target.forward_tree(tree)[0], draft, verify,
+                max_nodes=min(cfg.total_tokens, free), max_depth=cfg.depth,
+                topks=topk_choices(cfg),
+            )  # fmt: skip

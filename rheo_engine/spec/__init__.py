@@ -1,0 +1,1 @@
+"""The algorithm: kernel wrappers, tree growth, verification and the one step function."""
