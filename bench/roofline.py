@@ -522,8 +522,8 @@ def kernel_markdown(t: KernelTable) -> list[str]:
         )
     lines += ["", "Redesign:"] + [f"- {note}" for note in t.redesign] + [""]
     if t.built is None:
-        return lines + ["Built in issue 10: unchanged.", ""]
-    lines += [f"Built in issue 10: {t.built_design}", ""]
+        return lines + ["Built: unchanged.", ""]
+    lines += [f"Built: {t.built_design}", ""]
     lines.append("| size | built traffic | built µs | bound by | gap w/ launch | vs reviewed |")
     lines.append("|---|---:|---:|---|---:|---:|")
     for r, b in zip(t.rows, t.built, strict=True):

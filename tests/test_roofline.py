@@ -80,7 +80,7 @@ def test_step_floor_streams_llama_8b_weights(roofline: ModuleType) -> None:
 
 def test_benchmarks_holds_the_output(roofline: ModuleType) -> None:
     text = (ROOT / "BENCHMARKS.md").read_text()
-    heading = "## The CUDA kernels against the H200 roofline (issue 10)"
+    heading = "## The CUDA kernels against the H200 roofline"
     assert heading in text, f"BENCHMARKS.md lacks the section {heading!r}"
     section = text[text.index(heading) :]
     assert "python bench/roofline.py" in section

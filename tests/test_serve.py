@@ -30,7 +30,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from rheo_engine.entrypoints.serve import Server, main  # noqa: E402
 from rheo_engine.runtime.engine import Engine  # noqa: E402
-from rheo_engine.runtime.scheduler import Cancelled, QueueFull, Scheduler  # noqa: E402
+from rheo_engine.runtime.scheduler import Cancelled, Handle, QueueFull, Scheduler, Step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -487,3 +487,32 @@ def test_port_0_serves_on_a_free_port_and_says_which():
         server.send_signal(signal.SIGINT)
         _, err = server.communicate(timeout=60)
     assert server.returncode == 0 and "Traceback" not in err, err
+
+
+def test_fast_steps_share_a_wake_up():
+    """The worker wakes an asyncio reader once per Handle.WAKE_GAP_S at most (and at the end):
+    five steps 10 ms apart reach the reader in at most two groups, in order, and the
+    first step wakes it at once."""
+    handle = Handle(request=None)
+    groups: list[list[str]] = []
+
+    async def read() -> None:
+        async for steps in handle.batches():
+            groups.append([s.text for s in steps])
+
+    async def main() -> None:
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0.01)  # the reader waits, its waker registered
+
+        def work() -> None:
+            for i in range(5):
+                handle._put(Step([i], str(i)))
+                time.sleep(0.01)  # a fast model's step
+            handle._finish("a Generation", None)
+
+        await asyncio.to_thread(work)
+        await asyncio.wait_for(reader, TIMEOUT)
+
+    asyncio.run(main())
+    assert [t for g in groups for t in g] == ["0", "1", "2", "3", "4"]
+    assert len(groups) <= 2, groups

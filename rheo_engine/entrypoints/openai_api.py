@@ -288,11 +288,11 @@ class Call:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}  # fmt: skip
                 yield event(self.object(first, True))
-            async for step in self.handle:
-                if step.text or step.logprobs:
-                    yield event(
-                        self.object(self.choice(step.text, step.logprobs, None, True), True)
-                    )
+            async for steps in self.handle.batches():  # the steps since the last chunk
+                text = "".join(step.text for step in steps)
+                logprobs = [lp for step in steps for lp in step.logprobs]
+                if text or logprobs:
+                    yield event(self.object(self.choice(text, logprobs, None, True), True))
             gen = self.handle.result(0)
             yield event(self.object(self.choice("", None, _FINISH[gen.stop_reason], True), True))
             options = self.given.get("stream_options") or {}
