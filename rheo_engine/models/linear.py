@@ -39,6 +39,8 @@ class _Choices:
     def __init__(self) -> None:
         self.table: dict[str, bool] | None = None
         self.lock = threading.Lock()
+        # (dtype, W shape, rows, threads) -> the choice: what the models look up per call.
+        self.decided: dict[tuple, bool] = {}
 
     def file(self):
         return kept_file("linear", "choices")
@@ -99,9 +101,20 @@ def uses_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
     if force is not None:
         return force == "skinny"
     n = x.numel() // max(x.shape[-1], 1)  # rows: the leading dims flattened
+    # Per call, a dict look-up: the models call this ~30 times a token (a string key cost
+    # ~10% of a small model's decode time).
+    fast = (x.dtype, w.shape, n, torch.get_num_threads())
+    choice = _CHOICES.decided.get(fast)
+    if choice is None:
+        choice = _CHOICES.decided[fast] = _choose(x.dtype, w, n)
+    return choice
+
+
+def _choose(dtype: torch.dtype, w: torch.Tensor, n: int) -> bool:
+    """The kept choice for n rows (measured now if there is none)."""
     rows = next((r for r in _ROWS if n <= r), 256)
-    dtype, threads = str(x.dtype).removeprefix("torch."), torch.get_num_threads()
-    key = f"{dtype} {w.shape[0]}x{w.shape[1]} n{rows} threads {threads}"
+    name, threads = str(dtype).removeprefix("torch."), torch.get_num_threads()
+    key = f"{name} {w.shape[0]}x{w.shape[1]} n{rows} threads {threads}"
     choice = _CHOICES.get(key)
     if choice is None:
         with torch.no_grad():

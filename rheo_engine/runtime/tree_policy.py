@@ -328,6 +328,10 @@ class AutoTree:
     # trees never pay costs a few percent; a tree must beat a plain step by MARGIN to be
     # chosen without probing (the model predicts step times ~5-15% short: BENCHMARKS.md).
     PROBE_FIRST, PROBE_MAX, PROBE_SPEC, PROBE_COST, MARGIN = 8, 256, 16, 2.0, 1.05
+    # After a step found that no tree beats a plain step, the next RECHECK - 1 plain steps do
+    # not search again: with no new evidence (plain steps only fade it) the answer moves
+    # slowly, and the search (~0.1 ms) was ~3% of a plain step of the default pair.
+    RECHECK = 8
 
     def __init__(self, bound: TreeConfig, profile: CostProfile) -> None:
         self.bound, self.profile = bound, profile
@@ -345,12 +349,14 @@ class AutoTree:
         )  # fmt: skip
         self.predicted_s = 0.0  # the chosen tree's predicted step time
         self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, 0
+        self.plain_known = 0  # plain steps left that need no search (see RECHECK)
 
     def set_batch(self, batch: int) -> None:
         """Price every tree for steps over ``batch`` sequences (CostProfile.step_s): the batch
         scheduler calls it when its batch grows or shrinks; acceptance evidence is kept."""
         if batch == self.batch:
             return
+        self.plain_known = 0
         self.batch, depths = batch, range(1, self.bound.depth + 1)
         self.step_s = np.array(
             [[[self.profile.step_s(d, n, k, batch) for n in self.sizes] for d in depths]
@@ -377,7 +383,13 @@ class AutoTree:
         self.predicted_s = plain_s
         if wanted < 2 or self.bound.method == "ar":
             return TreeConfig("ar")
-        rate, i, d, j = self._best(room, wanted, optimistic=False)
+        if self.plain_known > 0:
+            self.plain_known -= 1
+            rate, i, d, j = -1.0, 0, 0, 0
+        else:
+            rate, i, d, j = self._best(room, wanted, optimistic=False)
+            if rate <= self.MARGIN / plain_s:
+                self.plain_known = self.RECHECK - 1
         if rate > self.MARGIN / plain_s:
             self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, self.spec_run + 1
             if self.spec_run >= self.PROBE_SPEC:
@@ -401,6 +413,7 @@ class AutoTree:
             for st in self.stats.values():
                 st.fade()
             return
+        self.plain_known = 0  # new evidence: search at the next step
         # Host lists from the step's one read: the policy never reads the device.
         depths = np.array(outcome.depth[0][1:])
         accepted = np.zeros(len(depths))
