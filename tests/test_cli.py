@@ -306,6 +306,22 @@ def test_thread_default_and_report(capsys):
     assert code == 0 and ", threads 2 (" in err
 
 
+def test_the_python_api_chooses_threads_as_the_cli():
+    """Engine.from_pretrained sets torch's CPU threads as the CLI does (one below 1B target
+    parameters: at torch's default a shared 2-core machine ran the README snippet 30x slower)
+    and says so in engine.threads; threads=N chooses."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch's default on a 2-core machine
+        engine = Engine.from_pretrained()
+        assert engine.threads == 1 == torch.get_num_threads()
+        assert Engine.from_pretrained(threads=2).threads == 2 == torch.get_num_threads()
+        with pytest.raises(ValueError, match=r"threads=0 must be an int >= 1"):
+            Engine.from_pretrained(threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- a closed pipe and Ctrl-C: real processes ------------------------------------------------
 
 

@@ -201,6 +201,12 @@ def test_measured_profile_is_kept_per_machine_and_reused_by_a_new_engine(
     again = fresh.generate(PROMPT, 24, temperature=1.0, seed=11, **SMALL)
     assert again.token_ids == first.token_ids and again.trees.shapes == first.trees.shapes
     assert fresh.cost_profiles == measured.cost_profiles  # read, not measured again
+    # The one-time measurement is reported apart and left out of tokens/s; the second engine
+    # read the kept profile and measured nothing.
+    assert first.measure_s > 0 and again.measure_s == 0
+    assert first.tokens_per_s == pytest.approx(
+        len(first.token_ids) / (first.wall_s - first.measure_s)
+    )
     monkeypatch.setenv("RHEO_CACHE_DIR", "off")
     new_engine().generate(PROMPT, 4, temperature=0.0, seed=11, **SMALL)
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
@@ -253,3 +259,55 @@ def test_break_even_table_from_a_saved_profile(tmp_path, capsys):
     # depth 1, N = 2, topk 2: 1 + 10 + 110 ms = 121 ms, 1.21 plain steps
     assert "plain step: 100.00 ms (toy)" in out and "| 1 | 2 | 2 | 121.0 | 1.21 |" in out
     assert main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_plain_steps_after_a_search_do_not_search_again():
+    """When no tree beats a plain step, the next RECHECK - 1 plain steps reuse that answer
+    (plain steps bring no evidence, they only fade it); a drafted step makes the next search."""
+    policy = trained(profile({1: 1.0, 2: 3.0, 16: 40.0}), [1, 5, 9, 13])  # trees never pay
+    searches = []
+    real = policy._best
+
+    def counted(room, wanted, optimistic):
+        searches.append(optimistic)
+        return real(room, wanted, optimistic)
+
+    policy._best = counted
+    plain = TreeConfig("ar")
+    for _ in range(2 * AutoTree.RECHECK):
+        assert policy.choose(100, 100).method == "ar"
+        policy.observe(plain, None, 1.0)
+    assert searches.count(False) == 2, searches
+    policy.observe(GROWN, outcome([1]), 1.0)
+    policy.choose(100, 100)
+    assert searches.count(False) == 3, searches
+
+
+def test_calibration_scales_each_size_by_its_real_steps():
+    """calibrate_profile times real steps of a few shapes and keeps, per size, measured /
+    the parts' sum: trees whose real steps cost twice their parts are predicted at twice,
+    plain steps that cost their parts as measured stay as they were."""
+    from rheo_engine.runtime.tree_policy import calibrate_profile
+
+    prof = profile({1: 1.0, 2: 1.2, 16: 2.0, 60: 4.0}, level_s=0.1)
+    ran = []
+
+    def run_step(depth: int, n: int) -> float:
+        ran.append((depth, n))
+        return prof.parts_s(depth, n, 4) * (1.0 if n == 1 else 2.0)
+
+    before = prof.step_s(3, 16, 4)
+    calibrate_profile(prof, run_step, topk=4, max_nodes=16, max_depth=4)
+    assert sorted(set(ran)) == [(0, 1), (1, 2), (1, 4), (2, 8), (3, 16)]  # capped at 16
+    assert prof.step_s(3, 16, 4) == pytest.approx(2 * before)
+    assert prof.plain_step_s() == pytest.approx(prof.parts_s(0, 1, 4))
+
+
+def test_calibrated_profile_is_what_the_engine_keeps(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    engine = Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+    engine.generate(PROMPT, 8, temperature=1.0, seed=1, topk=4, depth=3, total_tokens=8)
+    (kept,) = (tmp_path / "cache" / "profiles").glob("*.json")
+    scale = json.loads(kept.read_text())["step_scale"]
+    assert set(scale) >= {"1", "2", "4", "8"} and all(v > 0 for v in scale.values())
+    assert CostProfile.load(kept).step_scale == {int(k): v for k, v in scale.items()}

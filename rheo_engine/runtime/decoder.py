@@ -44,6 +44,7 @@ from rheo_engine.runtime.tree_policy import (
     CostProfile,
     FixedTree,
     cached_profile,
+    calibrate_profile,
     keep_profile,
     measure_profile,
     profile_key,
@@ -194,9 +195,22 @@ class BatchDecoder:
         request.begin()
         start = time.perf_counter()
         drafts = request.drafts
+        root = self._prefill_ids(slot, request.prompt_ids, drafts)
+        cfg = request.tree_cfg
+        profile = id(request.cost_profile) if request.cost_profile else None
+        group = TreeGroup(drafts, request.tree, cfg.topk, cfg.depth, cfg.total_tokens, cfg.leads,
+                          cfg.support, profile)  # fmt: skip
+        request.prefill_s = time.perf_counter() - start
+        seq = SeqState(request, slot, root, group, min(request.context, self.max_len))
+        self.running.append(seq)
+        return seq
+
+    def _prefill_ids(self, slot: int, prompt_ids: list[int], drafts: bool) -> torch.Tensor:
+        """The target over the prompt but its last token into ``slot``, and (``drafts``) the
+        head's pairs queued; returns the first root [1]."""
         layers = self.head.feature_layers if drafts else ()
         view = self.pool.batch([slot])
-        ids = torch.tensor([request.prompt_ids], device=self.target.device)  # one upload
+        ids = torch.tensor([prompt_ids], device=self.target.device)  # one upload
         if ids.shape[1] > 1:
             body = ids[:, :-1]
             positions = torch.arange(body.shape[1], device=ids.device).unsqueeze(0)
@@ -206,14 +220,7 @@ class BatchDecoder:
             view.advance(body.shape[1])
             if drafts:
                 self.drafter.prefill(features, ids[:, 1:], [slot])
-        cfg = request.tree_cfg
-        profile = id(request.cost_profile) if request.cost_profile else None
-        group = TreeGroup(drafts, request.tree, cfg.topk, cfg.depth, cfg.total_tokens, cfg.leads,
-                          cfg.support, profile)  # fmt: skip
-        request.prefill_s = time.perf_counter() - start
-        seq = SeqState(request, slot, ids[:, -1], group, min(request.context, self.max_len))
-        self.running.append(seq)
-        return seq
+        return ids[:, -1]
 
     def release(self, seq: SeqState) -> None:
         """Free a sequence's slot (finished, cancelled or failed). The last sequence of a group
@@ -388,6 +395,7 @@ class BatchDecoder:
             if profile is None:
                 start = time.perf_counter()
                 profile = self._measure(seq, key)
+                self._calibrate(seq, profile)
                 request.measure_s += time.perf_counter() - start
                 if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
                     self.profiles[key] = profile  # covers every tree: reuse it
@@ -432,3 +440,47 @@ class BatchDecoder:
                 max_nodes=min(cfg.total_tokens, free), max_depth=cfg.depth,
                 topks=topk_choices(cfg),
             )  # fmt: skip
+
+    @torch.no_grad()
+    def _calibrate(self, seq: SeqState, profile: CostProfile) -> None:
+        """Time real steps of a few tree shapes (tree_policy.calibrate_profile) on a scratch
+        decoder holding a copy of this request's prompt: committed there, with coins of step
+        indices no request reaches, so this request's own state and draws are untouched. Skipped
+        (no calibration) when the context has no room for them."""
+        request, cfg, head = seq.request, seq.request.tree_cfg, self.head
+        ids = request.prompt_ids
+        # Rows for the prompt, a few steps and one tree; when the next step may not fit, the
+        # scratch slot starts over from the prompt (untimed).
+        rows = min(request.context, len(ids) + 4 * (cfg.depth + 1) + cfg.total_tokens)
+        if rows < len(ids) + cfg.total_tokens + cfg.depth + 1:
+            return
+        scratch = BatchDecoder(self.target, head, 1, rows, self.profiles)
+        slot = scratch.pool.acquire()
+        root = [scratch._prefill_ids(slot, ids, True)]
+        counter = [2**41]  # coins no request (nor the measurement, 2**40) draws
+
+        def run_step(depth: int, n: int) -> float:
+            if n == 1:
+                shape = TreeConfig("ar")
+            else:
+                n = min(n, 1 + cfg.topk + (depth - 1) * cfg.topk**2)
+                shape = dataclasses.replace(cfg, depth=depth, total_tokens=n)
+            if scratch.pool.lengths[slot] + cfg.total_tokens + cfg.depth + 1 > rows:
+                scratch.pool.release(slot)
+                scratch.drafter.release(slot)
+                scratch.pool.acquire()
+                root[0] = scratch._prefill_ids(slot, ids, True)
+            start = time.perf_counter()
+            view = scratch._view([slot])
+            scratch.drafter.begin([slot])
+            result = speculative_step(
+                _SlotTarget(self.target, view, head.feature_layers), scratch.drafter, root[0],
+                view.lengths_dev, shape, [Draw(cfg.method, request.sampling, request.seed,
+                                               counter[0])],
+                head.draft_to_target, scratch.status,
+            )  # fmt: skip
+            root[0] = result.verdict.bonus_token[0:1].long()
+            counter[0] += 1
+            return time.perf_counter() - start
+
+        calibrate_profile(profile, run_step, cfg.topk, cfg.total_tokens, cfg.depth)
