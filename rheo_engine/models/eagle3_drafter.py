@@ -94,11 +94,6 @@ class Eagle3Drafter:
         self.slots = list(slots)
         self._level = -1
 
-    def reset(self) -> None:
-        """Forget every sequence's pairs."""
-        for slot in range(self.pool.slots):
-            self.release(slot)
-
     @torch.no_grad()
     def _flush(self) -> None:
         """Run the waiting pairs of the step's sequences in one head forward, padded to the

@@ -52,7 +52,7 @@ from rheo_engine.runtime.tree_policy import (
 )
 from rheo_engine.spec import kernels
 from rheo_engine.spec.draft import draft_tree, pool_kind, root_only_tree
-from rheo_engine.spec.step import Draw, speculative_step
+from rheo_engine.spec.step import Draw, StepResult, max_tree_size, speculative_step
 from rheo_engine.spec.verify import Outcome, emitted_logprobs, verify_tree
 
 __all__ = ["BatchDecoder", "SeqState", "TreeGroup"]
@@ -183,9 +183,7 @@ class BatchDecoder:
         try:
             return self._prefill(request, slot)
         except BaseException:
-            self.pool.release(slot)
-            if self.drafter is not None:
-                self.drafter.release(slot)
+            self._free_slot(slot)
             raise
 
     @torch.no_grad()
@@ -228,12 +226,16 @@ class BatchDecoder:
         alone (its cost profile stays cached), so a seeded request reproduces."""
         if seq in self.running:
             self.running.remove(seq)
-            self.pool.release(seq.slot)
-            if self.drafter is not None:
-                self.drafter.release(seq.slot)
-            self._views = {k: v for k, v in self._views.items() if seq.slot not in k}
+            self._free_slot(seq.slot)
             if not any(s.group == seq.group for s in self.running):
                 self._policies.pop(seq.group, None)
+
+    def _free_slot(self, slot: int) -> None:
+        """Give a slot back: its KV rows, the head's pairs and the views that held it."""
+        self.pool.release(slot)
+        if self.drafter is not None:
+            self.drafter.release(slot)
+        self._views = {k: v for k, v in self._views.items() if slot not in k}
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -317,22 +319,14 @@ class BatchDecoder:
     @torch.no_grad()
     def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy):
         start = time.perf_counter()
-        drafts = seqs[0].group.drafts
-        view = self._view([s.slot for s in seqs])
-        target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else ())
-        if drafts:
-            self.drafter.begin(view.slots)
         draws = [
             Draw(s.request.tree_cfg.method, s.request.sampling, s.request.seed, s.step,
                  s.request.history)
             for s in seqs
         ]  # fmt: skip
-        # Nothing between two steps reads the device: the prefix lengths go up with the view,
-        # and the roots and the tree policy's evidence come from the step's one read.
-        result = speculative_step(
-            target, self.drafter if drafts else None, torch.cat([s.root for s in seqs]),
-            view.lengths_dev, cfg, draws, self.head.draft_to_target if drafts else None,
-            self.status,
+        result = self._speculate(
+            [s.slot for s in seqs], torch.cat([s.root for s in seqs]), cfg, draws,
+            seqs[0].group.drafts,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         predicted = getattr(policy, "predicted_s", None)
@@ -353,6 +347,27 @@ class BatchDecoder:
             s.emitted += len(emitted)
             out.append((s, emitted, logprobs))
         return out
+
+    def _speculate(
+        self,
+        slots: list[int],
+        roots: torch.Tensor,
+        cfg: TreeConfig,
+        draws: list[Draw],
+        drafts: bool,
+    ) -> StepResult:
+        """One step (step.speculative_step) over these slots, committed; ``drafts``: whether
+        the head takes part (it also queues the pairs of a plain step)."""
+        view = self._view(slots)
+        target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else ())
+        if drafts:
+            self.drafter.begin(view.slots)
+        # Nothing between two steps reads the device: the prefix lengths go up with the view,
+        # and the roots and the tree policy's evidence come from the step's one read.
+        return speculative_step(
+            target, self.drafter if drafts else None, roots, view.lengths_dev, cfg, draws,
+            self.head.draft_to_target if drafts else None, self.status,
+        )  # fmt: skip
 
     def _view(self, slots: list[int]) -> SlotBatch:
         """The KV view of a batch of slots: the last step's, while its lengths are current
@@ -423,7 +438,7 @@ class BatchDecoder:
         def draft(depth: int, n: int, topk: int):
             if n == 1:
                 return root_only_tree(seq.root, prefix)
-            n = min(n, 1 + topk + (depth - 1) * topk**2)  # what depth levels can grow
+            n = min(n, max_tree_size(topk, depth))  # what depth levels can grow
             shape = dataclasses.replace(cfg, topk=topk, depth=depth, total_tokens=n)
             return draft_tree(
                 self.drafter, seq.root, prefix, shape, request.sampling.temperature,
@@ -456,31 +471,26 @@ class BatchDecoder:
             return
         scratch = BatchDecoder(self.target, head, 1, rows, self.profiles)
         slot = scratch.pool.acquire()
-        root = [scratch._prefill_ids(slot, ids, True)]
-        counter = [2**41]  # coins no request (nor the measurement, 2**40) draws
+        root = scratch._prefill_ids(slot, ids, True)
+        probe_step = 2**41  # coins no request (nor the measurement, 2**40) draws
 
         def run_step(depth: int, n: int) -> float:
+            nonlocal slot, root, probe_step
             if n == 1:
                 shape = TreeConfig("ar")
             else:
-                n = min(n, 1 + cfg.topk + (depth - 1) * cfg.topk**2)
-                shape = dataclasses.replace(cfg, depth=depth, total_tokens=n)
+                shape = dataclasses.replace(
+                    cfg, depth=depth, total_tokens=min(n, max_tree_size(cfg.topk, depth))
+                )
             if scratch.pool.lengths[slot] + cfg.total_tokens + cfg.depth + 1 > rows:
-                scratch.pool.release(slot)
-                scratch.drafter.release(slot)
-                scratch.pool.acquire()
-                root[0] = scratch._prefill_ids(slot, ids, True)
+                scratch._free_slot(slot)
+                slot = scratch.pool.acquire()
+                root = scratch._prefill_ids(slot, ids, True)
             start = time.perf_counter()
-            view = scratch._view([slot])
-            scratch.drafter.begin([slot])
-            result = speculative_step(
-                _SlotTarget(self.target, view, head.feature_layers), scratch.drafter, root[0],
-                view.lengths_dev, shape, [Draw(cfg.method, request.sampling, request.seed,
-                                               counter[0])],
-                head.draft_to_target, scratch.status,
-            )  # fmt: skip
-            root[0] = result.verdict.bonus_token[0:1].long()
-            counter[0] += 1
+            draw = Draw(cfg.method, request.sampling, request.seed, probe_step)
+            result = scratch._speculate([slot], root, shape, [draw], True)
+            root = result.verdict.bonus_token[0:1].long()
+            probe_step += 1
             return time.perf_counter() - start
 
         calibrate_profile(profile, run_step, cfg.topk, cfg.total_tokens, cfg.depth)

@@ -50,7 +50,7 @@ import torch
 
 from rheo_engine.config import TreeConfig
 from rheo_engine.machine import kept_file, write_kept
-from rheo_engine.spec.step import fit_tree
+from rheo_engine.spec.step import fit_tree, max_tree_size
 from rheo_engine.spec.verify import Outcome
 
 # Tree sizes the cost model considers (clipped to total_tokens) and where it times forwards.
@@ -411,7 +411,7 @@ class AutoTree:
         self.set_batch(1)
         depths = range(1, bound.depth + 1)
         self.feasible = np.array(
-            [[[d <= n - 1 and n <= 1 + k + (d - 1) * k * k for n in sizes] for d in depths]
+            [[[d <= n - 1 and n <= max_tree_size(k, d) for n in sizes] for d in depths]
              for k in self.topks]
         )  # fmt: skip
         self.predicted_s = 0.0  # the chosen tree's predicted step time

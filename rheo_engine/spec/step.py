@@ -73,6 +73,12 @@ def resolve_seed(seed: object) -> int:
     return int(seed)
 
 
+def max_tree_size(topk: int, depth: int) -> int:
+    """The most nodes ``depth`` levels of width ``topk`` can grow: the root, topk children,
+    then topk * topk candidates a level (topk expanded nodes, topk children each)."""
+    return 1 + topk + (depth - 1) * topk * topk
+
+
 def fit_tree(cfg: TreeConfig, room: int, wanted: int) -> TreeConfig:
     """The tree of a step that has ``room`` free rows left in the target's context and still
     wants ``wanted`` tokens: ``cfg`` where it fits, else fewer nodes and less depth, down to a
@@ -92,7 +98,7 @@ def fit_tree(cfg: TreeConfig, room: int, wanted: int) -> TreeConfig:
     depth = min(cfg.depth, total - 1, wanted - 1)
     if depth < 1:
         return TreeConfig("ar")
-    total = min(total, 1 + cfg.topk + (depth - 1) * cfg.topk * cfg.topk)  # max_tree_size
+    total = min(total, max_tree_size(cfg.topk, depth))
     if (total, depth) == (cfg.total_tokens, cfg.depth):
         return cfg
     return dataclasses.replace(cfg, total_tokens=total, depth=depth)
