@@ -49,7 +49,8 @@ API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method",
                "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
                "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
-               "chat", "chat_template", "tree", "cost_profile", "pair", "threads")  # fmt: skip
+               "chat", "chat_template", "tree", "cost_profile", "pair", "threads",
+               "tensor_parallel")  # fmt: skip
 _SWITCHES = ("chat", "ignore_eos", "logprobs")  # flags without a value (store_true)
 _NEVER = "(?!)"  # a pattern that matches nothing
 
@@ -216,6 +217,11 @@ def parser() -> argparse.ArgumentParser:
         "--threads", type=int,
         help="torch CPU threads (default: 1 for targets below 1B parameters, which are faster "
         "on one thread, else torch's default); the stats line says how many ran",
+    )  # fmt: skip
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="split the target over N ranks (processes started here, or torchrun's): N CUDA "
+        "devices with NCCL, or the CPU with gloo (the threads split between the ranks)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument(
@@ -486,9 +492,15 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
     if args.cost_profile is not None:
         _check_cost_profile(args.cost_profile)
     dtype = None if args.dtype is None else _DTYPES[args.dtype]
+    if args.tensor_parallel < 1:
+        raise BadInput(
+            f"--tensor-parallel {args.tensor_parallel} must be >= 1 (1: one device, no "
+            "parallelism)"
+        )
     engine = Engine.from_pretrained(
-        args.target, args.draft, args.device, dtype, args.pair, args.threads
-    )
+        args.target, args.draft, args.device, dtype, args.pair, args.threads,
+        tensor_parallel=args.tensor_parallel,
+    )  # fmt: skip
     progress.threads = engine.threads
     for prompt in prompts(args):
         run_one(engine, prompt, args, progress)

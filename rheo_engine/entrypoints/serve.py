@@ -176,7 +176,8 @@ def default_model_name(target: str | None) -> str:
 
 
 # The Python options the command line takes as flags (their errors name the flag).
-SERVE_OPTIONS = ("target", "draft", "device", "pair", "max_queue", "max_batch", "max_len")
+SERVE_OPTIONS = ("target", "draft", "device", "pair", "max_queue", "max_batch", "max_len",
+                 "tensor_parallel")  # fmt: skip
 
 
 class BadAddress(ValueError):
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     from rheo_engine.entrypoints.generate import _Parser, cli_spelling
     from rheo_engine.runtime.engine import Engine
     from rheo_engine.runtime.pairs import PAIRS
+    from rheo_engine.runtime.tp import launched_rank
 
     p = _Parser(prog="python -m rheo_engine.serve", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -242,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", help="HF Llama directory or .gguf file (default: embedded pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default: the embedded pair)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (started here, or by torchrun); rank 0 "
+                   "serves, the others follow its steps")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="1..65535, or 0 for any free port")
     p.add_argument("--api-key", default=os.environ.get("RHEO_API_KEY"),
@@ -260,15 +265,20 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.max_body_bytes < 1:
         fail(f"--max-body-bytes {args.max_body_bytes} must be >= 1 (a request body's bytes)")
+    if args.tensor_parallel < 1:
+        fail(f"--tensor-parallel {args.tensor_parallel} must be >= 1 (1: one device)")
     try:
-        sock = listen_socket(args.host, args.port)
+        # Under torchrun only rank 0 listens; the other ranks follow it inside from_pretrained.
+        sock = listen_socket(args.host, args.port) if launched_rank() == 0 else None
     except BadAddress as err:
         fail(str(err))
     try:
-        engine = Engine.from_pretrained(args.target, args.draft, args.device, pair=args.pair)
+        engine = Engine.from_pretrained(args.target, args.draft, args.device, pair=args.pair,
+                                        tensor_parallel=args.tensor_parallel)  # fmt: skip
         scheduler = Scheduler(engine, args.max_queue, args.max_batch, args.max_len)
     except (ValueError, OSError) as err:
-        sock.close()
+        if sock is not None:
+            sock.close()
         fail(str(err))
     name = args.served_model_name or args.pair or default_model_name(args.target)
     server = Server(scheduler, name, args.api_key, args.max_body_bytes)

@@ -155,6 +155,22 @@ def is_gguf(path: str | Path) -> bool:
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
     """Read, check and dequantize a llama GGUF file; every problem is one ValueError line."""
+    reader, path, tok, config = _header(path)
+    tensors = _tensors(reader, path, config)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    return GGUFCheckpoint(path, config, tensors, *tok[:3])
+
+
+def gguf_config(path: str | Path) -> dict[str, Any]:
+    """config.json's fields of a llama GGUF file from its metadata alone (no tensor is read or
+    dequantized): what is checked before a tensor-parallel load."""
+    reader, _, _, config = _header(path)
+    config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    return config
+
+
+def _header(path: str | Path):
+    """The reader, the path, the tokenizer's parts and config.json's fields of a llama GGUF."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} not found; pass the path of a .gguf file")
@@ -167,10 +183,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             "Mistral-7B-style) load here"
         )
     tok = _tokenizer(meta, path)
-    config = _config(meta, reader, path, tok)
-    tensors = _tensors(reader, path, config)
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    return GGUFCheckpoint(path, config, tensors, *tok[:3])
+    return reader, path, tok, _config(meta, reader, path, tok)
 
 
 def _open(path: Path):

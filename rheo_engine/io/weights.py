@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 _SINGLE = "model.safetensors"
@@ -111,6 +111,119 @@ def load_safetensors(path_or_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     if weight_map is not None:
         _check_shards(p / _INDEX, weight_map, held)
     return tensors
+
+
+# safetensors' dtype names (its header) -> torch dtypes.
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class LazyTensor:
+    """A tensor of a safetensors file, not read yet: its shape and dtype from the header, its
+    bytes (all, or one slice along a dimension) read on demand."""
+
+    def __init__(self, path: Path, name: str, shape: list[int], dtype: str, owner: LazyWeights):
+        self.path, self.name, self.owner = path, name, owner
+        self.shape = torch.Size(shape)
+        self.dtype = _ST_DTYPES.get(dtype, torch.uint8)
+        self._st_dtype = dtype
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def load(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0]) if self.shape else self.owner.read(self)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.owner.read(self, dim, start, length)
+
+
+class LazyWeights(dict):
+    """Tensor name -> LazyTensor over a checkpoint's files (one, or the shards an index lists).
+    ``read`` opens one file at a time; ``bytes_read`` and ``files_opened`` say what was read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_read = 0
+        self.files_opened: list[str] = []
+        self._open: tuple[Path, object] | None = None
+
+    def read(self, t: LazyTensor, dim: int = 0, start: int = 0, length: int | None = None):
+        if self._open is None or self._open[0] != t.path:
+            self.close()
+            self._open = (t.path, safe_open(str(t.path), framework="pt"))
+            self.files_opened.append(t.path.name)
+        try:
+            piece = self._open[1].get_slice(t.name)
+            if not t.shape:
+                part = self._open[1].get_tensor(t.name)
+            else:
+                length = t.shape[dim] if length is None else length
+                index = [slice(None)] * len(t.shape)
+                index[dim] = slice(start, start + length)
+                part = piece[tuple(index)]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(
+                f"{t.path}: tensor {t.name} cannot be read ({e}); the file is truncated or "
+                "corrupt: re-download or re-save it"
+            ) from e
+        self.bytes_read += part.numel() * part.element_size()
+        return part
+
+    def close(self) -> None:
+        self._open = None
+
+
+def open_safetensors(path_or_dir: str | os.PathLike) -> LazyWeights:
+    """The tensors of a ``.safetensors`` file or checkpoint directory (single or sharded), as
+    LazyTensors: headers read and checked as load_safetensors checks them, no tensor data read.
+    A tensor-parallel rank reads only its parts (models.llama.rank_parts) through them."""
+    p = Path(path_or_dir)
+    weight_map = None
+    if p.is_dir():
+        files, weight_map = _shard_files(p)
+    elif p.is_file():
+        files = [p]
+    else:
+        raise FileNotFoundError(f"weights {p} not found; pass a .safetensors file or a model dir")
+    lazy = LazyWeights()
+    held: dict[str, list[str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    lazy[name] = LazyTensor(f, name, piece.get_shape(), piece.get_dtype(), lazy)
+                    held.setdefault(name, []).append(f.name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(
+                f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: "
+                "re-download or re-save it"
+            ) from e
+    if weight_map is not None:
+        _check_shards(p / _INDEX, weight_map, held)
+    return lazy
+
+
+def read_parts(
+    weights: dict, parts: dict[str, tuple[int, int, int] | None]
+) -> dict[str, torch.Tensor]:
+    """``weights[name]`` cut to ``parts[name]`` ((dim, start, length), or None: whole) for every
+    name of ``parts``. LazyTensors are read file by file, in the files' order, each file once."""
+    order = sorted(parts, key=lambda n: str(getattr(weights[n], "path", "")))
+    out = {}
+    for name in order:
+        t, part = weights[name], parts[name]
+        if isinstance(t, LazyTensor):
+            out[name] = t.load() if part is None else t.narrow(*part)
+        else:
+            out[name] = t if part is None else t.narrow(*part)
+    if isinstance(weights, LazyWeights):
+        weights.close()
+    return out
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:

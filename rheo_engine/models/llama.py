@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
-from rheo_engine.io.weights import load_safetensors
+from rheo_engine.io.weights import LazyTensor, load_safetensors, open_safetensors, read_parts
 from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
+from rheo_engine.parallel import TPGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,7 +121,10 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     embed = weights.get("model.embed_tokens.weight")
     if cfg.tie_word_embeddings and "lm_head.weight" in extra and embed is not None:
         # Some exports of tied models save the shared matrix twice; equal, it is no conflict.
-        if torch.equal(weights["lm_head.weight"], embed):
+        def whole(t):
+            return t.load() if isinstance(t, LazyTensor) else t
+
+        if torch.equal(whole(weights["lm_head.weight"]), whole(embed)):
             extra.remove("lm_head.weight")
     if missing and not any(k.startswith("model.") for k in weights) and "fc.weight" in weights:
         raise ValueError(
@@ -192,8 +196,64 @@ def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dt
     return dtype
 
 
+def rank_parts(cfg: ModelConfig, tp: TPGroup | None) -> dict[str, tuple[int, int, int] | None]:
+    """HF tensor name -> the part of it this rank holds: (dim, start, length), or None for the
+    whole tensor. Megatron's split (as gpt-fast's tp.py): q/k/v and gate/up by output rows
+    (column-parallel: the rank's attention heads, its KV heads, its slice of the MLP), o_proj
+    and down_proj by input columns (row-parallel: an all-reduce follows each), lm_head by
+    vocabulary rows (its logits are gathered). The embedding and the norms are whole on every
+    rank: a lookup costs no FLOPs, and the EAGLE-3 head embeds its drafts with the target's
+    embedding at every depth, which a vocabulary-parallel embedding would turn into one more
+    all-reduce per draft level."""
+    parts: dict[str, tuple[int, int, int] | None] = dict.fromkeys(expected_shapes(cfg))
+    if tp is None or tp.size == 1:
+        return parts
+    D = cfg.head_dim
+    q0, nq = tp.split(cfg.num_attention_heads, "num_attention_heads")
+    kv0, nkv = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+    i0, ni = tp.split(cfg.intermediate_size, "intermediate_size")
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        parts[a + "q_proj.weight"] = (0, q0 * D, nq * D)
+        parts[a + "k_proj.weight"] = (0, kv0 * D, nkv * D)
+        parts[a + "v_proj.weight"] = (0, kv0 * D, nkv * D)
+        parts[a + "o_proj.weight"] = (1, q0 * D, nq * D)
+        parts[m + "gate_proj.weight"] = (0, i0, ni)
+        parts[m + "up_proj.weight"] = (0, i0, ni)
+        parts[m + "down_proj.weight"] = (1, i0, ni)
+    if not cfg.tie_word_embeddings:
+        v0, nv = vocab_rows(cfg.vocab_size, tp)
+        parts["lm_head.weight"] = (0, v0, nv)
+    return parts
+
+
+def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """(start, count) of this rank's lm_head rows: ceil(V / N) each, the last rank's cut at V
+    (its logits are padded to the same width for the gather, and the pad dropped after)."""
+    per = -(-vocab_size // tp.size)
+    start = min(tp.rank * per, vocab_size)
+    return start, min(per, vocab_size - start)
+
+
+def resident_weight_bytes(model: LlamaModel) -> int:
+    """Bytes of the weights this process holds (a tensor sharing another's storage, as a tied
+    lm_head, counted once)."""
+    tensors = [model.embed_tokens, model.norm, model.lm_head]
+    for layer in model.layers:
+        tensors += [layer.attn_norm, layer.w_qkv, layer.w_o, layer.mlp_norm, layer.w_gate_up,
+                    layer.w_down]  # fmt: skip
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 class LlamaModel:
-    """A Llama-family decoder (LlamaForCausalLM) running on a KVCache."""
+    """A Llama-family decoder (LlamaForCausalLM) running on a KVCache.
+
+    With ``tp`` (a TPGroup of N ranks), this process holds its rank's part (``rank_parts``):
+    H/N attention heads and Hkv/N KV heads (and only their KV rows), I/N of the MLP and V/N
+    rows of lm_head; a forward all-reduces after o_proj and down_proj and gathers the logits,
+    so every rank returns the same logits and features as one device (up to the order of
+    the partial sums)."""
 
     def __init__(
         self,
@@ -202,12 +262,19 @@ class LlamaModel:
         layers: list[LlamaLayer],
         norm: torch.Tensor,
         lm_head: torch.Tensor,
+        tp: TPGroup | None = None,
     ) -> None:
         self.cfg = cfg
         self.embed_tokens = embed_tokens  # [V, hidden] (the EAGLE-3 head borrows it)
         self.layers = layers
         self.norm = norm  # [hidden]
-        self.lm_head = lm_head  # [V, hidden]; the same tensor as embed_tokens when tied
+        # [V, hidden]; the same tensor as embed_tokens when tied; with tp, this rank's
+        # ceil(V / N) rows (zero rows pad the last rank's)
+        self.lm_head = lm_head
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        n = 1 if self.tp is None else self.tp.size
+        self.heads = cfg.num_attention_heads // n  # this rank's H
+        self.kv_heads = cfg.num_key_value_heads // n  # this rank's Hkv
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # [D/2] float32
@@ -219,14 +286,18 @@ class LlamaModel:
         path: str | os.PathLike,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
+        tp: TPGroup | None = None,
     ) -> LlamaModel:
         """Load an HF Llama directory (config.json + safetensors, single or sharded), or a
-        llama GGUF file (rheo_engine.io.gguf: dequantized, bf16 unless ``dtype`` says)."""
+        llama GGUF file (rheo_engine.io.gguf: dequantized, bf16 unless ``dtype`` says). With
+        ``tp``, only this rank's parts of a safetensors checkpoint are read (file by file);
+        a GGUF file is dequantized whole, then cut."""
         if is_gguf(path):
-            return cls.from_gguf(read_gguf(path), device, dtype)
+            return cls.from_gguf(read_gguf(path), device, dtype, tp)
         cfg = ModelConfig.from_hf_dir(path)
         dtype = resolve_dtype(dtype, cfg)
-        model = cls.from_weights(cfg, load_safetensors(path), device, dtype)
+        weights = load_safetensors(path) if tp is None else open_safetensors(path)
+        model = cls.from_weights(cfg, weights, device, dtype, tp)
         model.source = str(path)
         return model
 
@@ -236,10 +307,11 @@ class LlamaModel:
         ckpt: GGUFCheckpoint,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
+        tp: TPGroup | None = None,
     ) -> LlamaModel:
         """Build from a read GGUF file (its config and dequantized tensors)."""
         cfg = ModelConfig.from_dict(ckpt.config, str(ckpt.path))
-        model = cls.from_weights(cfg, ckpt.tensors, device, dtype)
+        model = cls.from_weights(cfg, ckpt.tensors, device, dtype, tp)
         model.source = str(ckpt.path)
         return model
 
@@ -247,21 +319,22 @@ class LlamaModel:
     def from_weights(
         cls,
         cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
+        tp: TPGroup | None = None,
     ) -> LlamaModel:
-        """Build from HF-named tensors: exactly those config.json implies (checked first)."""
+        """Build from HF-named tensors (a dict, or io.weights.open_safetensors' lazy ones):
+        exactly those config.json implies (checked first); with ``tp``, this rank's parts."""
         dtype = resolve_dtype(dtype, cfg)
         check_weights(cfg, weights)
+        got = read_parts(weights, rank_parts(cfg, tp))
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return got[name].to(device=device, dtype=dtype).contiguous()
 
         def cat(*names: str) -> torch.Tensor:
-            return torch.cat(
-                [weights[n].to(device=device, dtype=dtype) for n in names]
-            ).contiguous()
+            return torch.cat([got[n].to(device=device, dtype=dtype) for n in names]).contiguous()
 
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -278,26 +351,33 @@ class LlamaModel:
                 )
             )
         embed = w("model.embed_tokens.weight")
-        lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head)
+        if cfg.tie_word_embeddings:
+            lm_head = embed
+            if tp is not None and tp.size > 1:
+                start, count = vocab_rows(cfg.vocab_size, tp)
+                lm_head = embed[start : start + count]  # a view: no second copy
+        else:
+            lm_head = w("lm_head.weight")
+        if tp is not None and tp.size > 1:
+            per = -(-cfg.vocab_size // tp.size)
+            if lm_head.shape[0] < per:  # the last rank of a vocabulary N does not divide
+                pad = lm_head.new_zeros(per - lm_head.shape[0], lm_head.shape[1])
+                lm_head = torch.cat([lm_head, pad])
+        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, tp)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.cfg
         return KVCache(
-            c.num_hidden_layers,
-            batch,
-            max_len,
-            c.num_key_value_heads,
-            c.head_dim,
-            self.dtype,
+            c.num_hidden_layers, batch, max_len, self.kv_heads, c.head_dim, self.dtype,
             self.device,
-        )
+        )  # fmt: skip
 
     def new_pool(self, max_len: int, slots: int) -> SlotPool:
-        """KV memory for ``slots`` sequences of up to ``max_len`` rows (a batch of requests)."""
+        """KV memory for ``slots`` sequences of up to ``max_len`` rows (a batch of requests):
+        this rank's KV heads only."""
         c = self.cfg
-        L, Hkv, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-        return SlotPool(L, slots, max_len, Hkv, D, self.dtype, self.device)
+        return SlotPool(c.num_hidden_layers, slots, max_len, self.kv_heads, c.head_dim,
+                        self.dtype, self.device)  # fmt: skip
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight.
@@ -368,7 +448,8 @@ class LlamaModel:
         """
         self._check_forward(tokens, positions, cache, tree_mask, feature_layers)
         B, n = tokens.shape
-        H, Hkv, D = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        H, Hkv, D = self.heads, self.kv_heads, self.cfg.head_dim  # this rank's, with tp
+        reduce = (lambda y: y) if self.tp is None else self.tp.all_reduce
         if tree_mask is None:
             tree_mask = torch.ones(B, n, n, dtype=torch.uint8, device=self.device).tril_()
         cos, sin = self._rope_tables(positions)
@@ -383,12 +464,18 @@ class LlamaModel:
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, n, H+Hkv, D]
             v = qkv[..., (H + Hkv) * D :].view(B, n, Hkv, D)
             attn = cache.attend(i, qk[:, :, :H], qk[:, :, H:], v, tree_mask)  # [B, n, H, D]
-            x = x + linear(attn.view(B, n, H * D), layer.w_o)
+            x = x + reduce(linear(attn.view(B, n, H * D), layer.w_o))
             gate, up = linear(self._rms_norm(x, layer.mlp_norm), layer.w_gate_up).chunk(2, -1)
-            x = x + linear(F.silu(gate) * up, layer.w_down)
+            x = x + reduce(linear(F.silu(gate) * up, layer.w_down))
         if last_logits_only:
             x = x[:, -1:]
         x = self._rms_norm(x, self.norm)
-        logits = x if output_hidden else linear(x, self.lm_head).float()
+        if output_hidden:
+            logits = x
+        elif self.tp is None:
+            logits = linear(x, self.lm_head).float()
+        else:  # each rank's vocabulary rows, gathered in rank order, the last rank's pad cut
+            logits = self.tp.gather_last(linear(x, self.lm_head))[..., : self.cfg.vocab_size]
+            logits = logits.float()
         features = torch.cat([captured[j] for j in feature_layers], -1) if feature_layers else None
         return logits, features

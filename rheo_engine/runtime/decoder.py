@@ -25,6 +25,7 @@ auto tree prices trees for the group's batch size (tree_policy.CostProfile.step_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.parallel import TPGroup
 from rheo_engine.runtime.request import Request
 from rheo_engine.runtime.tree_policy import (
     AutoTree,
@@ -129,7 +131,14 @@ class BatchDecoder:
     most DEFAULT_MAX_LEN), allocated up front; ``admit`` raises ValueError for a request that
     cannot fit a slot, and ``full`` says when no slot is free. ``profiles``: the auto tree's
     cost profiles by profile_key, shared with whoever made the decoder (the engine keeps one
-    dict for all its decoders)."""
+    dict for all its decoders).
+
+    Tensor parallel (``tp``, the target's TPGroup): on rank 0 every call that changes the
+    decoder (made, admit, step, release, close, and the auto tree's measurement) first sends
+    the other ranks a control message with what they cannot know (the request's prompt ids
+    and options with its seed, the step's batches and trees); their decoders of the same
+    shape replay it (``follow``) and so run the same forwards, collectives and coins. With
+    ``tp.check`` every step's emitted tokens are compared across ranks."""
 
     def __init__(
         self,
@@ -138,6 +147,7 @@ class BatchDecoder:
         max_batch: int = 8,
         max_len: int | None = None,
         profiles: dict[str, CostProfile] | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
@@ -155,6 +165,51 @@ class BatchDecoder:
         self._policies: dict[TreeGroup, FixedTree | AutoTree] = {}
         self._views: dict[tuple[int, ...], SlotBatch] = {}  # the last view of each batch
         self._turn = 0  # round robin over the groups
+        self.tp = tp
+        # Rank 0 of a tensor-parallel group tells the others what this decoder does.
+        self._leads = tp is not None and tp.leader
+        self.id = tp.new_id() if self._leads else None
+        self._tell("open", max_batch=max_batch, max_len=self.max_len, head=head is not None)
+
+    # --- tensor parallel: what rank 0 tells, what the others replay ---------------------------
+
+    def _tell(self, op: str, **fields) -> None:
+        if self._leads:
+            self.tp.send({"op": op, "d": self.id, **fields})
+
+    def _op(self):
+        """One decoder call at a time across the process's threads when ranks follow it (its
+        control message and its collectives must reach them in one order)."""
+        return self.tp.busy() if self.tp is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Rank 0: let the other ranks drop their copy of this decoder (a no-op alone)."""
+        with self._op():
+            self._tell("close")
+
+    def follow(self, message: dict, make_request) -> None:
+        """Ranks > 0: replay one of rank 0's calls (``make_request(prompt_ids, options)``
+        builds the same Request from what rank 0 sent)."""
+        op = message["op"]
+        by_slot = {s.slot: s for s in self.running}
+        if op == "admit":
+            request = make_request(message["prompt"], message["options"])
+            slot = self.pool.acquire()
+            if slot != message["slot"]:
+                raise RuntimeError(f"rank {self.tp.rank} took slot {slot}, rank 0 slot "
+                                   f"{message['slot']}: the ranks' decoders diverged")  # fmt: skip
+            self._prefill(request, slot)
+        elif op == "step":
+            parts = [([by_slot[slot] for slot in slots], TreeConfig(**cfg), None)
+                     for slots, cfg in message["parts"]]  # fmt: skip
+            self._run_parts(parts)
+        elif op == "release":
+            self._release(by_slot[message["slot"]])
+        elif op == "measure":
+            seq = by_slot[message["slot"]]
+            self._calibrate(seq, self._measure(seq, message["key"]))
+        else:
+            raise RuntimeError(f"unknown control message {message!r}")
 
     @property
     def full(self) -> bool:
@@ -179,12 +234,14 @@ class BatchDecoder:
     def admit(self, request: Request) -> SeqState:
         """Prefill ``request`` into a free slot; it joins the next step of its group."""
         self.check(request)
-        slot = self.pool.acquire()
-        try:
-            return self._prefill(request, slot)
-        except BaseException:
-            self._free_slot(slot)
-            raise
+        with self._op():
+            slot = self.pool.acquire()
+            self._tell("admit", slot=slot, prompt=request.prompt_ids, options=request.options)
+            try:
+                return self._prefill(request, slot)
+            except BaseException:
+                self._free_slot(slot)
+                raise
 
     @torch.no_grad()
     def _prefill(self, request: Request, slot: int) -> SeqState:
@@ -224,6 +281,12 @@ class BatchDecoder:
         """Free a sequence's slot (finished, cancelled or failed). The last sequence of a group
         takes the group's tree policy with it: the next request of that kind starts afresh, as
         alone (its cost profile stays cached), so a seeded request reproduces."""
+        with self._op():
+            if seq in self.running:
+                self._tell("release", slot=seq.slot)
+                self._release(seq)
+
+    def _release(self, seq: SeqState) -> None:
         if seq in self.running:
             self.running.remove(seq)
             self._free_slot(seq.slot)
@@ -243,14 +306,24 @@ class BatchDecoder:
         """One step of the next group (round robin): per sequence, the tokens it keeps (after
         the request's cut: EOS, stop strings, max_new_tokens) and why it stopped (None: it goes
         on). Finished sequences are released."""
-        groups = list(dict.fromkeys(s.group for s in self.running))
-        if not groups:
-            return []
-        group = groups[self._turn % len(groups)]
-        self._turn += 1
-        seqs = [s for s in self.running if s.group == group]
+        with self._op():
+            groups = list(dict.fromkeys(s.group for s in self.running))
+            if not groups:
+                return []
+            group = groups[self._turn % len(groups)]
+            self._turn += 1
+            parts = self._plan([s for s in self.running if s.group == group])
+            plan = [[[s.slot for s in seqs], dataclasses.asdict(cfg)] for seqs, cfg, _ in parts]
+            self._tell("step", parts=plan)
+            return self._run_parts(parts)
+
+    def _run_parts(self, parts) -> list[tuple[SeqState, list[int], str | None]]:
         out = []
-        results = [r for part in self._plan(seqs) for r in self._step(*part)]
+        results = [r for part in parts for r in self._step(*part)]
+        if self.tp is not None and self.tp.check:
+            self.tp.agree([t for s, emitted, _ in results for t in (s.slot, len(emitted),
+                                                                    *emitted)],
+                          "a step's emitted tokens (slot, count, tokens...)")  # fmt: skip
         for seq, emitted, logprobs in results:
             kept, stop = seq.request.take(emitted, logprobs)
             if stop is None and self.pool.lengths[seq.slot] >= seq.limit:
@@ -258,7 +331,7 @@ class BatchDecoder:
             seq.stop = stop
             if stop is not None:
                 seq.request.end(stop)
-                self.release(seq)
+                self._release(seq)
             out.append((seq, kept, stop))
         return out
 
@@ -396,7 +469,9 @@ class BatchDecoder:
         else:
             head, target = self.head, self.target
             pool = pool_kind(cfg.method, request.sampling.temperature)
-            key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk)
+            tp = 1 if target.tp is None else target.tp.size
+            key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk,
+                              tp)  # fmt: skip
             profile = request.cost_profile
             if isinstance(profile, CostProfile):
                 if profile.key != key:
@@ -409,6 +484,7 @@ class BatchDecoder:
                 profile = self.profiles.get(key) or cached_profile(key)
             if profile is None:
                 start = time.perf_counter()
+                self._tell("measure", slot=seq.slot, key=key)
                 profile = self._measure(seq, key)
                 self._calibrate(seq, profile)
                 request.measure_s += time.perf_counter() - start

@@ -9,6 +9,7 @@ read-only kernels and torch's thread count (the engine sets it, see ``from_pretr
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,9 +22,11 @@ from rheo_engine.io.tokenizer import Tokenizer
 from rheo_engine.machine import default_threads
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel, parameter_count
+from rheo_engine.parallel import TPGroup
 from rheo_engine.runtime.decoder import BatchDecoder, solo_rows
 from rheo_engine.runtime.pairs import resolve_pair
 from rheo_engine.runtime.request import TREES, Generation, Request, RequestContext
+from rheo_engine.runtime import tp as tensor_parallelism
 from rheo_engine.runtime.scheduler import Scheduler
 from rheo_engine.runtime.tree_policy import CostProfile
 from rheo_engine.spec import kernels
@@ -81,6 +84,8 @@ class Engine:
         tokenizer: Tokenizer,
         generation_config: GenerationDefaults | None = None,
     ) -> None:
+        """``target.tp``: its TPGroup when it is this rank's part of a tensor-parallel target
+        (``from_pretrained(tensor_parallel=N)`` makes them)."""
         if tokenizer.vocab_size > target.cfg.vocab_size:
             raise ValueError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the target's vocab_size is "
@@ -94,7 +99,9 @@ class Engine:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys((*tokenizer.eos_ids, *extra)))
         # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
         self.cost_profiles: dict[str, CostProfile] = {}
-        self.threads = torch.get_num_threads()  # what from_pretrained chose (CPU)
+        self.threads = torch.get_num_threads()  # what from_pretrained chose (CPU, per rank)
+        self.tp: TPGroup | None = target.tp  # tensor parallel: this rank's group
+        self.tensor_parallel = 1 if self.tp is None else self.tp.size
         self._scheduler: Scheduler | None = None
         self._scheduler_lock = threading.Lock()
 
@@ -107,6 +114,8 @@ class Engine:
         dtype: torch.dtype | None = None,
         pair: str | None = None,
         threads: int | None = None,
+        tensor_parallel: int = 1,
+        tp_check: bool | None = None,
     ) -> Engine:
         """Load a target (an HF Llama directory, or a llama ``.gguf`` file, dequantized) and an
         EAGLE-3 head directory (None: no drafting), or a named ``pair`` (rheo_engine.runtime.pairs:
@@ -120,12 +129,25 @@ class Engine:
         engine; None chooses as the CLI does: 1 below 1B target parameters (a small model is
         bound by per-operator overhead, and threads that spin on a shared core made it up to
         30x slower), else torch's default. ``engine.threads`` says what was set.
+
+        ``tensor_parallel=N`` (N > 1) splits the target over N ranks (rheo_engine.runtime.tp):
+        started here as N - 1 more processes (or the processes torchrun started: code after
+        this call then runs on rank 0 only), each with its part of the target, the whole
+        head and threads // N CPU threads, on cuda:0..N-1 (NCCL) or the CPU (gloo). The Engine
+        returned is rank 0's; every call on it runs on all ranks. ``tp_check`` (None: the
+        RHEO_TP_CHECK environment variable) compares every step's tokens across ranks.
         """
         device = _check_device(device)
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
         ):
             raise ValueError(f"threads={threads!r} must be an int >= 1 (or None: chosen)")
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or (
+            tensor_parallel < 1
+        ):
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel!r} must be an int >= 1 (1: one device)"
+            )
         if pair is not None:
             if target is not None or draft is not None:
                 raise ValueError(
@@ -142,18 +164,30 @@ class Engine:
                 )
         if target is None:
             raise ValueError("draft= was given without target=; pass the target directory too")
-        if is_gguf(target):
-            ckpt = read_gguf(target)
-            model = LlamaModel.from_gguf(ckpt, device=device, dtype=dtype)
-            tokenizer, defaults = ckpt.load_tokenizer()
-            del ckpt  # the float32 copy of every weight
-        else:
-            model = LlamaModel.from_pretrained(target, device=device, dtype=dtype)
-            tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
-        head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, dtype)
-        if device.type == "cpu":
-            torch.set_num_threads(threads or default_threads(parameter_count(model.cfg)))
-        return cls(model, head, tokenizer, defaults)
+        if tensor_parallel == 1 and tp_check:
+            raise ValueError("tp_check=True compares tensor-parallel ranks; pass tensor_parallel")
+        if tensor_parallel > 1:
+            check = os.environ.get("RHEO_TP_CHECK", "0") == "1" if tp_check is None else tp_check
+            return tensor_parallelism.start(
+                _load, (str(target), None if draft is None else str(draft),
+                        None if dtype is None else str(dtype).replace("torch.", "")),
+                tensor_parallel, target, device, threads, check,
+            )  # fmt: skip
+        return _load(None, device, threads, target, draft, dtype)
+
+    def context(self) -> RequestContext:
+        """What a request needs from this engine (rheo_engine.runtime.request)."""
+        return RequestContext(
+            self.tokenizer, self.eos_ids, self.target.cfg.vocab_size,
+            self.target.cfg.max_position_embeddings, self.head is not None,
+            self.generation_config,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Let a tensor-parallel engine's other ranks exit (also done at interpreter exit);
+        the engine cannot run anything after. A no-op on one device."""
+        if self.tp is not None and self.tp.leader:
+            tensor_parallelism.shutdown(self.tp)
 
     # --- the public calls -----------------------------------------------------------------
 
@@ -177,14 +211,19 @@ class Engine:
     def decoder(self, max_batch: int = 8, max_len: int | None = None) -> BatchDecoder:
         """A decoder of ``max_batch`` KV slots of ``max_len`` rows over this engine's models
         (rheo_engine.runtime.decoder; the scheduler's, or a list of prompts')."""
-        return BatchDecoder(self.target, self.head, max_batch, max_len, self.cost_profiles)
+        return BatchDecoder(self.target, self.head, max_batch, max_len, self.cost_profiles,
+                            self.tp)  # fmt: skip
 
     def _run_alone(self, request: Request):
         """Iterate a request on a decoder of one slot sized for it (prompt + max_new_tokens +
         one tree): the step function every other entry point runs."""
         head = self.head if request.drafts else None
-        decoder = BatchDecoder(self.target, head, 1, solo_rows(request), self.cost_profiles)
-        yield from decoder.run_one(request)
+        decoder = BatchDecoder(self.target, head, 1, solo_rows(request), self.cost_profiles,
+                               self.tp)  # fmt: skip
+        try:
+            yield from decoder.run_one(request)
+        finally:
+            decoder.close()
 
     def _generate_batch(
         self, prompts: list, max_new_tokens: int, max_batch: int = 8, seed=None, **options
@@ -201,7 +240,11 @@ class Engine:
             self.request(p, max_new_tokens, seed=s, **options)
             for p, s in zip(prompts, seeds, strict=True)
         ]
-        return self.decoder(max_batch=min(max_batch, len(requests))).run(requests)
+        decoder = self.decoder(max_batch=min(max_batch, len(requests)))
+        try:
+            return decoder.run(requests)
+        finally:
+            decoder.close()
 
     def stream(
         self, prompt: str | list[int], max_new_tokens: int = 128, **options
@@ -267,9 +310,23 @@ class Engine:
     def request(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Request:
         """A generation to iterate step by step: yields each step's new token ids; afterwards
         ``.result`` holds the Generation. Arguments are checked here, before any work."""
-        context = RequestContext(
-            self.tokenizer, self.eos_ids, self.target.cfg.vocab_size,
-            self.target.cfg.max_position_embeddings, self.head is not None,
-            self.generation_config,
-        )  # fmt: skip
-        return Request(context, prompt, max_new_tokens, **options, run=self._run_alone)
+        return Request(self.context(), prompt, max_new_tokens, **options, run=self._run_alone)
+
+
+def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target, draft,
+          dtype) -> Engine:  # fmt: skip
+    """One process's Engine: the whole target, or (``tp``) this rank's part of it; the head
+    whole. CPU threads: ``threads`` (None: default_threads), split over the ranks."""
+    if is_gguf(target):
+        ckpt = read_gguf(target)
+        model = LlamaModel.from_gguf(ckpt, device=device, dtype=dtype, tp=tp)
+        tokenizer, defaults = ckpt.load_tokenizer()
+        del ckpt  # the float32 copy of every weight
+    else:
+        model = LlamaModel.from_pretrained(target, device=device, dtype=dtype, tp=tp)
+        tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
+    head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, dtype)
+    if device.type == "cpu":
+        total = threads or default_threads(parameter_count(model.cfg))
+        torch.set_num_threads(max(1, total // (1 if tp is None else tp.size)))
+    return Engine(model, head, tokenizer, defaults)

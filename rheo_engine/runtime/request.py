@@ -238,6 +238,17 @@ class Request:
             )
         self.max_new_tokens = max_new_tokens
         self.seed = resolve_seed(seed)
+        # What the other ranks of a tensor-parallel engine need to build this same request
+        # from its prompt ids (runtime.tp): every option but the prompt's encoding and the
+        # cost profile (only rank 0 chooses trees), the seed resolved.
+        self.options = dict(
+            method=method, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, stop=stop, ignore_eos=ignore_eos,
+            min_new_tokens=min_new_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
+            seed=self.seed, topk=topk, depth=depth, total_tokens=total_tokens, leads=leads,
+            support=support, tree=tree, max_new_tokens=max_new_tokens,
+        )  # fmt: skip
         self.result: Generation | None = None
         self.prefill_s = self.measure_s = 0.0
         self.trees = TreeUsage()

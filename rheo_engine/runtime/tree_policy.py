@@ -492,7 +492,7 @@ class AutoTree:
 
 
 def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, pool: str,
-                topk: int) -> str:  # fmt: skip
+                topk: int, tensor_parallel: int = 1) -> str:  # fmt: skip
     """What a profile was measured for; a loaded profile must match the running engine's."""
     t, h = target_cfg, head_cfg
     shapes = f"target {t.num_hidden_layers}x{t.hidden_size}/{t.intermediate_size} V{t.vocab_size}"
@@ -500,7 +500,7 @@ def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, 
         shapes += f", head {h.hidden_size} Vd{h.draft_vocab_size}"
     return f"{shapes}, {device.type}, {str(dtype).replace('torch.', '')}, " + (
         f"{torch.get_num_threads()} threads, {pool} pool, topk {topk}"
-    )
+    ) + (f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "")
 
 
 def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 4), (4, 16, 4),
