@@ -169,7 +169,8 @@ class BatchDecoder:
         # Rank 0 of a tensor-parallel group tells the others what this decoder does.
         self._leads = tp is not None and tp.leader
         self.id = tp.new_id() if self._leads else None
-        self._tell("open", max_batch=max_batch, max_len=self.max_len, head=head is not None)
+        with self._op():
+            self._tell("open", max_batch=max_batch, max_len=self.max_len, head=head is not None)
 
     # --- tensor parallel: what rank 0 tells, what the others replay ---------------------------
 

@@ -325,7 +325,8 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
     else:
         model = LlamaModel.from_pretrained(target, device=device, dtype=dtype, tp=tp)
         tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
-    head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, dtype)
+    # The head in the target's dtype unless told (None: the same), as a dtype or its name.
+    head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, model.dtype)
     if device.type == "cpu":
         total = threads or default_threads(parameter_count(model.cfg))
         torch.set_num_threads(max(1, total // (1 if tp is None else tp.size)))

@@ -273,6 +273,8 @@ class Scheduler:
             handle.cancel()
         self._queue.put(None)
         self._worker.join(timeout)
+        if not self._worker.is_alive():
+            self.decoder.close()  # a tensor-parallel engine's other ranks drop their copy
 
     def __enter__(self) -> Scheduler:
         return self

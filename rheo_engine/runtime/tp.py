@@ -221,7 +221,8 @@ def _join(rank: int, n: int, device: torch.device, threads: int | None, check: b
     try:
         engine = load(group, device, threads, *load_args)
     except Exception as e:  # reported by rank 0, as one line
-        error = str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+        said = str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+        error = " ".join(said.split()) or type(e).__name__
     failed = [(r, text) for r, text in enumerate(group.gather_text(error)) if text]
     if failed:
         dist.destroy_process_group()

@@ -1,0 +1,290 @@
+"""Tensor parallelism (rheo_engine.parallel, models.llama's rank parts, runtime.tp) on the CPU:
+two ranks over gloo, against one device.
+
+- The sharded target: the logits and features of a prefill and of a tree forward equal the
+  whole target's within 1e-5 (fp32), on the default pair and on the paper-layout targets whose
+  head counts allow TP = 2 (Vicuna's layout: no GQA; Llama-3.1's: GQA, llama3 RoPE, a 128256
+  vocabulary); each rank holds half the split weights and reads about half the bytes of a
+  sharded bf16 checkpoint, opening its files once each, in order.
+- The engine at TP = 2 (processes it starts itself, each step's tokens compared across ranks):
+  greedy tokens equal TP = 1 for ar, topk, rrsw and rheo with fixed trees and with the auto
+  tree on one fixed cost profile; four requests batched by the scheduler equal TP = 1's batch;
+  at T = 1 the first two tokens of 300 seeded runs pass a G-test against the exact target law
+  (drafts accepted in most runs), and the same samples fail it against T = 0.85 (the negative
+  control).
+
+tests/test_tp_launch.py covers starting (the CLI, torchrun, the server) and failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from paper_layouts import write_target
+from safetensors.torch import load_file
+from test_engine import G_PROMPT, G_RUNS, G_TREE, first_two_law, law_p_value
+from tp_forward import FEATURE_LAYERS, PROMPT, TREE_PARENTS, inputs
+
+from rheo_engine.config import ModelConfig
+from rheo_engine.io.weights import load_safetensors
+from rheo_engine.models.llama import LlamaModel, expected_shapes
+from rheo_engine.runtime.engine import DEFAULT_PAIR
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(TESTS),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    return env
+
+
+# --- the sharded target -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, hf_tiny_llama31_dir) -> list[Path]:
+    """The default target (bf16, one file) and two paper-layout targets (random bf16 weights in
+    sharded safetensors with an index.json): Vicuna's and Llama-3.1's."""
+    root = tmp_path_factory.mktemp("tp_targets")
+    vicuna = write_target(root / "vicuna", "vicuna", DEFAULT_PAIR / "target" / "tokenizer.model")
+    llama31 = write_target(root / "llama31", "llama31", hf_tiny_llama31_dir)
+    return [DEFAULT_PAIR / "target", vicuna, llama31]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(targets, tmp_path_factory) -> tuple[Path, list[list[dict]]]:
+    """tests/tp_forward.py on two ranks (torchrun's environment, set here): rank 0's outputs
+    and both ranks' reports."""
+    out = tmp_path_factory.mktemp("tp_forward")
+    port, procs = _free_port(), []
+    for rank in range(2):
+        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(TESTS / "tp_forward.py"), str(out), *map(str, targets)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _whole(target: Path) -> dict[str, torch.Tensor]:
+    """tp_forward's run on the whole target (fp32, one device)."""
+    from tp_forward import run
+
+    return run(LlamaModel.from_pretrained(target, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("i", [0, 1, 2], ids=["default", "vicuna", "llama31"])
+def test_logits_and_features_equal_one_device(two_ranks, targets, i):
+    out, _ = two_ranks
+    got, want = load_file(str(out / f"{i}.safetensors")), _whole(targets[i])
+    for name, tensor in want.items():
+        diff = (got[name] - tensor).abs().max().item()
+        scale = tensor.abs().max().item()
+        assert diff <= 1e-5 * max(1.0, scale), (name, diff, scale)
+    # The tree's logits depend on the prefix and on the mask: not a prefill in disguise.
+    assert got["tree_logits"].shape[1] == len(TREE_PARENTS)
+    assert got["prefill_features"].shape[-1] == len(FEATURE_LAYERS) * want[
+        "prefill_features"].shape[-1] // len(FEATURE_LAYERS)  # fmt: skip
+
+
+def _split_bytes(cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes of the tensors TP splits, bytes of those every rank holds whole) at dtype_bytes."""
+    split = whole = 0
+    for name, shape in expected_shapes(cfg).items():
+        n = 1
+        for d in shape:
+            n *= d
+        if name.endswith("norm.weight") or name == "model.embed_tokens.weight":
+            whole += n * dtype_bytes
+        else:
+            split += n * dtype_bytes
+    return split, whole
+
+
+@pytest.mark.parametrize("i", [0, 1, 2], ids=["default", "vicuna", "llama31"])
+def test_each_rank_holds_half_the_split_weights(two_ranks, targets, i):
+    """Resident fp32 bytes per rank = half the split tensors + the whole embedding and norms
+    (a tied lm_head is a view of the embedding's rows: no copy); the KV heads are halved."""
+    _, reports = two_ranks
+    cfg = ModelConfig.from_hf_dir(targets[i])
+    split, whole = _split_bytes(cfg, 4)
+    for rank, report in enumerate(reports):
+        r = report[i]
+        assert r["resident_bytes"] == split // 2 + whole, (rank, r, split, whole)
+        assert r["heads"] * 2 == cfg.num_attention_heads
+        assert r["kv_heads"] * 2 == cfg.num_key_value_heads
+        # Without the replicated embedding, a rank holds half the model.
+        model_bytes = split + whole
+        assert (r["resident_bytes"] - whole) / (model_bytes - whole) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("i", [1, 2], ids=["vicuna", "llama31"])
+def test_a_sharded_checkpoint_is_read_shard_by_shard(two_ranks, targets, i):
+    """The paper layouts' bf16 checkpoints come in shards with an index.json: each rank opens
+    each shard once, in order, and reads about half the split bytes (plus what it holds whole)."""
+    _, reports = two_ranks
+    index = json.loads((targets[i] / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2
+    cfg = ModelConfig.from_hf_dir(targets[i])
+    split, whole = _split_bytes(cfg, 2)
+    for report in reports:
+        r = report[i]
+        assert r["files_opened"] == shards
+        assert r["bytes_read"] == split // 2 + whole, (r["bytes_read"], split, whole)
+
+
+def test_whole_checkpoint_bytes_match_the_shapes(targets):
+    """The formula the tests above rely on: the checkpoint holds exactly the split and whole
+    tensors expected_shapes lists (bf16)."""
+    weights = load_safetensors(targets[1])
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    assert total == sum(_split_bytes(ModelConfig.from_hf_dir(targets[1]), 2))
+
+
+# --- the engine at TP = 2 ----------------------------------------------------------------------
+
+SMALL_TREE = dict(tree="fixed", topk=4, depth=3, total_tokens=12)
+PROMPTS = ["def fib(n):", "Once upon a time", "for i in range(10):", "The capital of"]
+METHODS = ("ar", "topk", "rrsw", "rheo")
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def profile_path(engine32, tmp_path_factory) -> Path:
+    """A cost profile measured once at TP = 1: both sides' auto trees run on it."""
+    path = tmp_path_factory.mktemp("tp_profile") / "profile.json"
+    engine32.generate(PROMPTS[0], 4, method="rheo", temperature=0.0, cost_profile=str(path))
+    return path
+
+
+def _jobs(engine32, profile_path) -> list[dict]:
+    ids = [engine32.tokenizer.encode(p) for p in PROMPTS]
+    jobs = []
+    for method in METHODS:
+        for tree in ({}, SMALL_TREE):  # the default 60-node tree, and a small one
+            jobs.append({"kind": "generate", "prompt": ids[0], "max_new_tokens": NEW,
+                         "options": dict(method=method, temperature=0.0,
+                                         **(tree or {"tree": "fixed"}))})  # fmt: skip
+    for method in METHODS[1:]:
+        jobs.append({"kind": "generate", "prompt": ids[1], "max_new_tokens": NEW,
+                     "options": dict(method=method, temperature=0.0, tree="auto"),
+                     "profile": str(profile_path)})  # fmt: skip
+    jobs.append({"kind": "scheduler", "prompts": ids, "max_new_tokens": NEW,
+                 "options": dict(method="rheo", temperature=0.0, **SMALL_TREE)})  # fmt: skip
+    jobs.append({"kind": "generate", "prompt": ids[2], "max_new_tokens": 40,
+                 "options": dict(method="rheo", temperature=1.0, seed=5)})  # auto, sampled
+    g_ids = engine32.tokenizer.encode(G_PROMPT)
+    jobs.append({"kind": "first_two", "prompt": g_ids, "runs": G_RUNS,
+                 "max_new_tokens": G_TREE["depth"] + 1,
+                 "options": dict(method="rheo", temperature=1.0, **G_TREE)})  # fmt: skip
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def tp2(engine32, profile_path, tmp_path_factory) -> tuple[list[dict], list, dict]:
+    """The jobs run by a TP = 2 engine (tests/tp_jobs.py: rank 0 in a subprocess, which starts
+    rank 1), with the ranks' check on: (jobs, results, collective stats)."""
+    tmp = tmp_path_factory.mktemp("tp_jobs")
+    jobs = _jobs(engine32, profile_path)
+    spec = {"tensor_parallel": 2, "target": str(DEFAULT_PAIR / "target"),
+            "draft": str(DEFAULT_PAIR / "draft"), "jobs": jobs}  # fmt: skip
+    (tmp / "jobs.json").write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "tp_jobs.py"), str(tmp / "jobs.json"), str(tmp / "out.json")],
+        env=_env(), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp / "out.json").read_text())
+    return jobs, out["results"], out["stats"]
+
+
+def _one_device(engine32, job: dict) -> dict:
+    options = dict(job["options"])
+    if job.get("profile"):
+        from rheo_engine.runtime.tree_policy import CostProfile
+
+        options["cost_profile"] = CostProfile.load(job["profile"])
+    gen = engine32.generate(job["prompt"], job["max_new_tokens"], **options)
+    return {"token_ids": gen.token_ids, "accept_lengths": gen.accept_lengths,
+            "trees": gen.trees.histogram()}  # fmt: skip
+
+
+def test_greedy_tokens_equal_one_device(engine32, tp2):
+    jobs, results, _ = tp2
+    checked = 0
+    for job, got in zip(jobs, results, strict=True):
+        if job["kind"] != "generate" or job["options"]["temperature"] != 0.0:
+            continue
+        want = _one_device(engine32, job)
+        assert got["token_ids"] == want["token_ids"], job["options"]
+        assert got["accept_lengths"] == want["accept_lengths"], job["options"]
+        if job.get("profile"):  # the same profile, the same trees
+            assert got["trees"] == want["trees"], (job["options"], got["trees"], want["trees"])
+        checked += 1
+    assert checked == 2 * len(METHODS) + len(METHODS) - 1
+    # The drafts were accepted: a comparison of plain steps would test little.
+    drafting = [r for j, r in zip(jobs, results, strict=True)
+                if j["kind"] == "generate" and j["options"]["method"] != "ar"]  # fmt: skip
+    assert all(max(r["accept_lengths"]) > 1 for r in drafting)
+
+
+def test_a_scheduler_batch_equals_one_device(engine32, tp2):
+    jobs, results, _ = tp2
+    (i,) = [k for k, j in enumerate(jobs) if j["kind"] == "scheduler"]
+    job, got = jobs[i], results[i]
+    assert got["batch_sizes"].get("4", 0) > 0, got["batch_sizes"]  # they did step together
+    want = engine32.generate(job["prompts"], job["max_new_tokens"], max_batch=4, **job["options"])
+    assert got["token_ids"] == [g.token_ids for g in want]
+
+
+def test_sampled_ranks_agree_and_follow_the_target_law(engine32, tp2):
+    """Every step of every job was compared across ranks (tp_check: a disagreement would have
+    failed the run); the first two tokens at T = 1 pass the G-test against the exact law, with
+    drafts accepted, and fail it against T = 0.85 (the negative control)."""
+    jobs, results, stats = tp2
+    (i,) = [k for k, j in enumerate(jobs) if j["kind"] == "first_two"]
+    pairs = [tuple(p) for p in results[i]["pairs"]]
+    accepts = results[i]["first_accepts"]
+    ids = jobs[i]["prompt"]
+    p_value = law_p_value(*first_two_law(engine32, ids, 1.0, 1.0, G_RUNS), pairs)
+    assert p_value > 1e-4, p_value
+    assert sum(a > 1 for a in accepts) > G_RUNS // 4, "drafts rarely accepted: weak test"
+    assert sum(a > 2 for a in accepts) > G_RUNS // 20
+    wrong = law_p_value(*first_two_law(engine32, ids, 0.85, 1.0, G_RUNS), pairs)
+    assert wrong < 1e-5, wrong
+    # The sampled auto-tree job ran, and the ranks exchanged what TP exchanges.
+    (k,) = [k for k, j in enumerate(jobs) if j["options"].get("seed") == 5]
+    assert len(results[k]["token_ids"]) == 40
+    assert stats["all_reduce_calls"] > 0 and stats["gather_calls"] > 0
+
+
+def test_collectives_per_forward(two_ranks, targets):
+    """Two all-reduces a layer (after o_proj and after down_proj) and one logits gather per
+    target forward (tp_forward runs two: the prefill and the tree), on every rank."""
+    _, reports = two_ranks
+    for i, target in enumerate(targets):
+        layers = ModelConfig.from_hf_dir(target).num_hidden_layers
+        for report in reports:
+            assert report[i]["all_reduce_calls"] == 2 * 2 * layers
+            assert report[i]["gather_calls"] == 2
