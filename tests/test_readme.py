@@ -9,7 +9,8 @@
   (its `http://127.0.0.1:8000` is pointed at the server's port), and every `.create(...)` in it
   must bound its tokens (max_tokens / max_completion_tokens).
 - ```bash / ```sh / ```console blocks: every command of this project (`python -m rheo_engine.X`,
-  `python bench/X.py`, `bash rheo.sh JOB`, `bash bench/X.sh`) is checked without doing its work:
+  `python bench/X.py`, `bash rheo.sh JOB`, `bash bench/X.sh`, `torchrun ... -m rheo_engine.X`)
+  is checked without doing its work:
   its arguments go through the program's own argparse parser (its parser function when it has
   one; else `main(argv)` runs with argparse stopped right after parsing). Usage notation is
   expanded: `[--flag X]` is tried present and absent, `a|b` each way. Other commands (pip, cmake,
@@ -485,6 +486,12 @@ def check_command(argv: list[str], monkeypatch) -> str | None:
             return f"{script} does not exist"
         monkeypatch.syspath_prepend(str(BENCH))
         return _parse_all(lambda a: _parse_bench(script, a), rest[1:], script, monkeypatch)
+    if word == "torchrun":
+        # torchrun's own flags are its; what it starts (`-m rheo_engine.X ...`) is checked.
+        if "-m" not in rest or rest.index("-m") + 1 >= len(rest):
+            return "torchrun without `-m rheo_engine.X`: nothing of this project to check"
+        at = rest.index("-m")
+        return check_command(["python", *rest[at:]], monkeypatch)
     if word == "bash" and rest[:1] == ["rheo.sh"]:
         jobs, job, args = _rheo_sh_jobs(), (rest[1:2] or ["generate"])[0], rest[2:]
         if job not in jobs:

@@ -9,6 +9,7 @@ two ranks over gloo, against one device.
 - The engine at TP = 2 (processes it starts itself, each step's tokens compared across ranks):
   greedy tokens equal TP = 1 for ar, topk, rrsw and rheo with fixed trees and with the auto
   tree on one fixed cost profile; four requests batched by the scheduler equal TP = 1's batch;
+  a decode step reads the host once on rank 0 and uploads nothing;
   at T = 1 the first two tokens of 300 seeded runs pass a G-test against the exact target law
   (drafts accepted in most runs), and the same samples fail it against T = 0.85 (the negative
   control).
@@ -201,14 +202,11 @@ def _jobs(engine32, profile_path) -> list[dict]:
     return jobs
 
 
-@pytest.fixture(scope="module")
-def tp2(engine32, profile_path, tmp_path_factory) -> tuple[list[dict], list, dict]:
-    """The jobs run by a TP = 2 engine (tests/tp_jobs.py: rank 0 in a subprocess, which starts
-    rank 1), with the ranks' check on: (jobs, results, collective stats)."""
-    tmp = tmp_path_factory.mktemp("tp_jobs")
-    jobs = _jobs(engine32, profile_path)
+def _run_jobs(jobs: list[dict], tp_check: bool, tmp: Path) -> tuple[list, dict]:
+    """tests/tp_jobs.py: a TP = 2 engine (rank 0 in a subprocess, which starts rank 1) runs
+    ``jobs``: (results, collective stats)."""
     spec = {"tensor_parallel": 2, "target": str(DEFAULT_PAIR / "target"),
-            "draft": str(DEFAULT_PAIR / "draft"), "jobs": jobs}  # fmt: skip
+            "draft": str(DEFAULT_PAIR / "draft"), "tp_check": tp_check, "jobs": jobs}  # fmt: skip
     (tmp / "jobs.json").write_text(json.dumps(spec))
     done = subprocess.run(
         [sys.executable, str(TESTS / "tp_jobs.py"), str(tmp / "jobs.json"), str(tmp / "out.json")],
@@ -216,7 +214,14 @@ def tp2(engine32, profile_path, tmp_path_factory) -> tuple[list[dict], list, dic
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads((tmp / "out.json").read_text())
-    return jobs, out["results"], out["stats"]
+    return out["results"], out["stats"]
+
+
+@pytest.fixture(scope="module")
+def tp2(engine32, profile_path, tmp_path_factory) -> tuple[list[dict], list, dict]:
+    """The jobs run at TP = 2 with the ranks' check on: (jobs, results, collective stats)."""
+    jobs = _jobs(engine32, profile_path)
+    return jobs, *_run_jobs(jobs, True, tmp_path_factory.mktemp("tp_jobs"))
 
 
 def _one_device(engine32, job: dict) -> dict:
@@ -256,6 +261,20 @@ def test_a_scheduler_batch_equals_one_device(engine32, tp2):
     assert got["batch_sizes"].get("4", 0) > 0, got["batch_sizes"]  # they did step together
     want = engine32.generate(job["prompts"], job["max_new_tokens"], max_batch=4, **job["options"])
     assert got["token_ids"] == [g.token_ids for g in want]
+
+
+def test_one_host_read_per_decode_step(engine32, tmp_path):
+    """Rank 0's steps read the host once and upload nothing, as on one device: the collectives
+    and the control message add no read (on GPUs the control channel is a host-side gloo
+    group). The ranks' check is off here: it reads every step's tokens by design."""
+    ids = engine32.tokenizer.encode(PROMPTS[3])
+    jobs = [{"kind": "host_reads", "prompt": ids, "max_new_tokens": 20,
+             "options": dict(method=method, temperature=T, seed=0, **SMALL_TREE)}
+            for method in ("ar", "rheo") for T in (0.0, 1.0)]  # fmt: skip
+    counted, _ = _run_jobs(jobs, False, tmp_path)
+    for r in counted:
+        assert len(r["reads"]) >= 4 and set(r["reads"]) == {1}, r
+        assert set(r["uploads"]) == {0}, r
 
 
 def test_sampled_ranks_agree_and_follow_the_target_law(engine32, tp2):
