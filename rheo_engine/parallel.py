@@ -71,6 +71,7 @@ class TPGroup:
         self._buffer = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
         self._ids = itertools.count()
         self.in_flight = 0  # decoder calls under way (an exit then cannot be sent cleanly)
+        self.broken = False  # a call was cut short: the ranks may be out of step
 
     @property
     def leader(self) -> bool:
@@ -87,6 +88,11 @@ class TPGroup:
             self.in_flight += 1
             try:
                 yield
+            except BaseException:
+                # A call cut short (Ctrl-C, an error) may leave the other ranks inside a
+                # collective: the group cannot be told anything cleanly after it.
+                self.broken = True
+                raise
             finally:
                 self.in_flight -= 1
 

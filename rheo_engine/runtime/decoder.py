@@ -181,10 +181,24 @@ class BatchDecoder:
     def _op(self):
         """One decoder call at a time across the process's threads when ranks follow it (its
         control message and its collectives must reach them in one order)."""
-        return self.tp.busy() if self.tp is not None else contextlib.nullcontext()
+        if self.tp is None:
+            return contextlib.nullcontext()
+        if self.tp.broken:
+            raise RuntimeError(
+                "an earlier call on this tensor-parallel engine was cut short (Ctrl-C or an "
+                "error) and its ranks are out of step; start the engine again"
+            )
+        return self.tp.busy()
+
+    def _cut_short(self) -> bool:
+        """Whether a call was cut short: then releasing and closing only tidy this rank (the
+        process is ending; the other ranks end with it)."""
+        return self.tp is not None and self.tp.broken
 
     def close(self) -> None:
         """Rank 0: let the other ranks drop their copy of this decoder (a no-op alone)."""
+        if self._cut_short():
+            return
         with self._op():
             self._tell("close")
 
@@ -282,6 +296,9 @@ class BatchDecoder:
         """Free a sequence's slot (finished, cancelled or failed). The last sequence of a group
         takes the group's tree policy with it: the next request of that kind starts afresh, as
         alone (its cost profile stays cached), so a seeded request reproduces."""
+        if self._cut_short():
+            self._release(seq)
+            return
         with self._op():
             if seq in self.running:
                 self._tell("release", slot=seq.slot)

@@ -196,7 +196,7 @@ def start(load, load_args: tuple, tensor_parallel: int, target: str | Path,
 
 def _end(worker: subprocess.Popen, wait_s: float = 5.0) -> None:
     try:
-        worker.wait(wait_s)
+        worker.wait(max(wait_s, 0.001))
     except subprocess.TimeoutExpired:
         worker.kill()
         worker.wait()
@@ -297,7 +297,7 @@ def shutdown(group: TPGroup, workers=None, watcher=None) -> None:
         watcher.stopping = True
     if not dist.is_initialized():
         return
-    if group.in_flight == 0 and group.lock.acquire(timeout=1.0):
+    if not group.broken and group.in_flight == 0 and group.lock.acquire(timeout=1.0):
         try:
             group.send({"op": "exit"})
         except Exception:  # a peer already gone: nothing to tell
@@ -305,7 +305,7 @@ def shutdown(group: TPGroup, workers=None, watcher=None) -> None:
         finally:
             group.lock.release()
     for w in workers:
-        _end(w)
+        _end(w, 5.0 if not group.broken else 0.0)
     try:
         dist.destroy_process_group()
     except Exception:
