@@ -19,6 +19,8 @@
 #   e2e_T1, e2e_T0  110 each  bench/e2e.py --methods ar rheo --device cuda --dtype bfloat16 on
 #                      the widened pair, E2E_PROMPTS prompts x E2E_SEEDS seeds, 128 new tokens,
 #                      the paper's fixed 60/8/10 tree; rheo's speed over ar's timed interleaved
+#   tp2            90  bench/tp.py --tp 2 --device cuda on the same pair (NCCL), when nvidia-smi
+#                      lists two GPUs; skipped with the reason otherwise
 # Every step runs under `timeout`, and the steps share one deadline (BUDGET_S, default 470 s) so
 # the whole check ends within 8 minutes; a step that no longer fits is "skipped (time)". Full
 # logs: LOGDIR/<step>.log; the table: LOGDIR/summary.md. Exit status: 0 when every step passed,
@@ -141,6 +143,10 @@ bg_wait() {
 skip() {  # skip NAME WHY: a step that cannot run because an earlier one failed
     NAMES+=("$1") STATUS+=("skipped ($2)") SECS+=(0) FIGS+=("")
     FAILED=1
+}
+
+absent() {  # absent NAME WHY: a step this machine has no means for (not a failure)
+    NAMES+=("$1") STATUS+=("skipped ($2)") SECS+=(0) FIGS+=("")
 }
 
 fig() {  # fig TEXT: the figures of the last step recorded
@@ -314,6 +320,20 @@ for T in 1 0; do
             [ "$DRY" != 1 ] && fig "$(e2e_fig "$LOGDIR/e2e_T$T.json" 2>&1)"
     fi
 done
+
+# 4c. Tensor parallel over two GPUs (NCCL), when the machine has two: TP = 1 against TP = 2 on
+# the same pair, the collectives' count, bytes and share of a step (bench/tp.py).
+N_GPUS=$(grep -c '^GPU' "$LOGDIR/nvidia-smi.log" 2>/dev/null || true)
+if [ "$BUILT" != 0 ]; then
+    skip tp2 "no CUDA build"
+elif [ "$DRY" != 1 ] && [ "${N_GPUS:-0}" -lt 2 ]; then
+    absent tp2 "${N_GPUS:-0} GPU: tensor parallelism needs two"
+elif [ "$DRY" != 1 ] && ! { [ -f "$TARGET/config.json" ] && [ -f "$DRAFT/config.json" ]; }; then
+    skip tp2 "no model pair at $TARGET, $DRAFT"
+else
+    step tp2 90 "$PY" bench/tp.py --target "$TARGET" --draft "$DRAFT" --device cuda \
+        --dtype bfloat16 --tp 2 --runs 2 --max-new-tokens 64 --json "$LOGDIR/tp2.json"
+fi
 
 # Summary, last.
 {

@@ -72,6 +72,10 @@ class TPGroup:
         self._ids = itertools.count()
         self.in_flight = 0  # decoder calls under way (an exit then cannot be sent cleanly)
         self.broken = False  # a call was cut short: the ranks may be out of step
+        # Rank 0 of ranks it started: called when a call fails with a RuntimeError (a peer gone
+        # under a collective: gloo says so at once); runtime.tp's watcher then says which rank
+        # died, in one line, and exits.
+        self.peer_lost = None
 
     @property
     def leader(self) -> bool:
@@ -88,7 +92,9 @@ class TPGroup:
             self.in_flight += 1
             try:
                 yield
-            except BaseException:
+            except BaseException as e:
+                if isinstance(e, RuntimeError) and self.peer_lost is not None:
+                    self.peer_lost()  # exits the process when a rank died
                 # A call cut short (Ctrl-C, an error) may leave the other ranks inside a
                 # collective: the group cannot be told anything cleanly after it.
                 self.broken = True

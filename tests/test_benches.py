@@ -532,3 +532,25 @@ def test_throughput_and_batch_ops_quick():
     assert "| ar | 2 |" in run.stdout and "| rheo | 1 |" in run.stdout
     bad = _run_script(["bench/throughput.py", "--concurrency", "0,2"])
     assert bad.returncode == 2 and "--concurrency" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tp_quick(context, tmp_path):
+    """bench/tp.py on the default pair, TP 1 vs 2, one run of 8 tokens: the tables print, the
+    collectives per step are 2 all-reduces a layer and 1 logits gather, and the projection's
+    draft head is bench/roofline.py's."""
+    import roofline
+
+    out = tmp_path / "tp.json"
+    run = _run_script(["bench/tp.py", "--runs", "1", "--max-new-tokens", "8", "--json", str(out)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| rheo | T=1 | 2 |" in run.stdout and "### Llama-3.1-70B" in run.stdout
+    data = json.loads(out.read_text())
+    layers = json.loads((DEFAULT / "target" / "config.json").read_text())["num_hidden_layers"]
+    ar = data["summary"]["ar T=0"]["2"]
+    assert ar["all_reduce_calls"] == 2 * layers and ar["gather_calls"] == 1
+    assert data["summary"]["ar T=0"]["1"]["all_reduce_calls"] == 0
+    assert (
+        data["counts"]["all_reduces_per_layer"] == 2 and data["counts"]["gathers_per_forward"] == 1
+    )
+    tree = [p for p in data["projection"]["Llama-3.1-8B"] if p["rows"] == 60 and p["n"] == 8]
+    assert tree[0]["head_s"] == pytest.approx(roofline.head_floor(1, 1024))

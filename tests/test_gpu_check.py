@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPT = BENCH / "gpu_check.sh"
 STEPS = ["preflight", "build", "has_cuda", "cuda_tests", "widen", "bench_kernels", "e2e_T1",
-         "e2e_T0"]  # fmt: skip
+         "e2e_T0", "tp2"]  # fmt: skip
 KERNEL_TESTS = ["test_pool_sampler.py", "test_proxy_rerank.py", "test_tree_attention.py",
                 "test_verification.py", "test_skinny_linear.py"]  # fmt: skip
 KERNELS = ["tree_attention", "pool_sampler", "verification", "skinny_linear", "select_expand",
@@ -98,6 +98,8 @@ def test_dry_run_lists_every_step_in_order(tmp_path):
         assert f"tests/{name}" in tests
     assert "test_cuda_emu.py" not in tests  # the CPU emulator: no GPU test there
     assert "--device cuda" in _log(logs, "bench_kernels")
+    tp2 = _log(logs, "tp2")
+    assert "bench/tp.py" in tp2 and "--tp 2" in tp2 and "--device cuda" in tp2
     assert "ensure_widened('weights/default'" in _log(logs, "widen")
     for T in (1, 0):
         e2e = _log(logs, f"e2e_T{T}")
@@ -199,7 +201,10 @@ def test_real_path_summary_holds_every_figure(tmp_path, fake_python):
     run, logs = _gpu_check(tmp_path, **fake_python)
     summary = run.stdout
     rows = _rows(summary)
-    assert list(rows) == STEPS and all(r[0] == "ok" for r in rows.values()), summary
+    assert list(rows) == STEPS, summary
+    assert all(r[0] == "ok" for step, r in rows.items() if step != "tp2"), summary
+    # One GPU: tensor parallelism is skipped with its reason, which fails nothing.
+    assert rows["tp2"][0] == "skipped (1 GPU: tensor parallelism needs two)"
     assert "DRY RUN" not in summary and "Fake H200 (driver 555.42)" in summary.splitlines()[0]
     assert rows["preflight"][2].startswith("torch 2.13.0+cu128 (CUDA 12.8)")
     assert rows["build"][2] == "rheo_engine._C: cpu + cuda sm_90 (FORCE_CUDA=1)"

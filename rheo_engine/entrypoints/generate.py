@@ -50,8 +50,8 @@ API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method",
                "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
                "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
                "chat", "chat_template", "tree", "cost_profile", "pair", "threads",
-               "tensor_parallel")  # fmt: skip
-_SWITCHES = ("chat", "ignore_eos", "logprobs")  # flags without a value (store_true)
+               "tensor_parallel", "tp_check")  # fmt: skip
+_SWITCHES = ("chat", "ignore_eos", "logprobs", "tp_check")  # flags without a value (store_true)
 _NEVER = "(?!)"  # a pattern that matches nothing
 
 
@@ -222,6 +222,11 @@ def parser() -> argparse.ArgumentParser:
         "--tensor-parallel", type=int, default=1, metavar="N",
         help="split the target over N ranks (processes started here, or torchrun's): N CUDA "
         "devices with NCCL, or the CPU with gloo (the threads split between the ranks)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tp-check", action="store_true", default=None,
+        help="with --tensor-parallel: compare every step's tokens across the ranks (a debug "
+        "mode; also RHEO_TP_CHECK=1)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument(
@@ -499,7 +504,7 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
         )
     engine = Engine.from_pretrained(
         args.target, args.draft, args.device, dtype, args.pair, args.threads,
-        tensor_parallel=args.tensor_parallel,
+        tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,
     )  # fmt: skip
     progress.threads = engine.threads
     for prompt in prompts(args):

@@ -180,16 +180,23 @@ def start(load, load_args: tuple, tensor_parallel: int, target: str | Path,
     try:
         engine = _join(0, n, _rank_device(device, 0), threads, check, load, load_args)
     except BaseException as e:
-        watcher.stopping = True
+        # A rank that died while loading (killed, out of memory) fails rank 0's collective:
+        # said in one line, as a rank that reported its error.
+        with watcher.lock:
+            watcher.stopping = True
+        dead = watcher.dead(wait_s=2.0) if isinstance(e, RuntimeError) else None
         for w in workers:
             _end(w)
         if dist.is_initialized():
             dist.destroy_process_group()
         if isinstance(e, _LoadFailed):
             raise ValueError(str(e)) from None
+        if dead is not None:
+            raise ValueError(f"{dead} while loading its part of the target") from None
         raise
     group = engine.tp
     group.workers, group.watcher = workers, watcher
+    group.peer_lost = watcher.check_now
     atexit.register(shutdown, group)
     return engine
 
@@ -265,27 +272,47 @@ class _Watcher(threading.Thread):
     def __init__(self, workers, errors) -> None:
         super().__init__(name="rheo-tp-watcher", daemon=True)
         self.workers, self.errors, self.stopping = workers, errors, False
+        self.lock = threading.Lock()  # one report, from this thread or rank 0's main thread
 
     def run(self) -> None:
         while not self.stopping:
+            self._report(self.dead())
+            time.sleep(WATCH_S)
+
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """'tensor-parallel rank R (pid P) stopped (why)' for a rank that left with a failure
+        (waiting up to ``wait_s`` for one), else None. A rank leaves with status 0 only when
+        told to, or when rank 0 reports its failed load."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for r, w in enumerate(self.workers, start=1):
-                # A rank leaves with status 0 only when told to (or when rank 0 reports its
-                # failed load): anything else is a failure.
                 code = w.poll()
-                if code not in (None, 0) and not self.stopping:
+                if code not in (None, 0):
                     how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
                     said = self.errors / f"rank{r}.txt"
                     why = said.read_text() if said.is_file() else how
-                    sys.stderr.write(
-                        f"rheo-engine: tensor-parallel rank {r} (pid {w.pid}) stopped ({why}); "
-                        "ending all ranks\n"
-                    )
-                    sys.stderr.flush()
-                    for other in self.workers:
-                        if other.poll() is None:
-                            other.kill()
-                    os._exit(1)
-            time.sleep(WATCH_S)
+                    return f"tensor-parallel rank {r} (pid {w.pid}) stopped ({why})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def check_now(self) -> None:
+        """A collective failed on rank 0: if a rank died, say so and end (gloo notices a dead
+        peer before the next poll would)."""
+        self._report(self.dead(wait_s=2.0))
+
+    def _report(self, line: str | None) -> None:
+        if line is None:
+            return
+        with self.lock:
+            if self.stopping:
+                return
+            sys.stderr.write(f"rheo-engine: {line}; ending all ranks\n")
+            sys.stderr.flush()
+            for other in self.workers:
+                if other.poll() is None:
+                    other.kill()
+            os._exit(1)
 
 
 def shutdown(group: TPGroup, workers=None, watcher=None) -> None:
@@ -294,7 +321,8 @@ def shutdown(group: TPGroup, workers=None, watcher=None) -> None:
     workers = getattr(group, "workers", []) if workers is None else workers
     watcher = getattr(group, "watcher", None) if watcher is None else watcher
     if watcher is not None:
-        watcher.stopping = True
+        with watcher.lock:
+            watcher.stopping = True
     if not dist.is_initialized():
         return
     if not group.broken and group.in_flight == 0 and group.lock.acquire(timeout=1.0):
