@@ -284,8 +284,9 @@ class BatchDecoder:
         if ids.shape[1] > 1:
             body = ids[:, :-1]
             positions = torch.arange(body.shape[1], device=ids.device).unsqueeze(0)
+            # output_hidden: no vocabulary projection (and, tensor parallel, no logits gather)
             _, features = self.target.forward(
-                body, positions, view, None, layers, last_logits_only=True
+                body, positions, view, None, layers, last_logits_only=True, output_hidden=True
             )
             view.advance(body.shape[1])
             if drafts:
