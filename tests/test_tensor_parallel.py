@@ -31,7 +31,7 @@ import torch
 from paper_layouts import write_target
 from safetensors.torch import load_file
 from test_engine import G_PROMPT, G_RUNS, G_TREE, first_two_law, law_p_value
-from tp_forward import FEATURE_LAYERS, PROMPT, TREE_PARENTS, inputs
+from tp_forward import FEATURE_LAYERS, TREE_PARENTS
 
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.weights import load_safetensors
@@ -193,8 +193,14 @@ def _jobs(engine32, profile_path) -> list[dict]:
                      "profile": str(profile_path)})  # fmt: skip
     jobs.append({"kind": "scheduler", "prompts": ids, "max_new_tokens": NEW,
                  "options": dict(method="rheo", temperature=0.0, **SMALL_TREE)})  # fmt: skip
-    jobs.append({"kind": "generate", "prompt": ids[2], "max_new_tokens": 40,
-                 "options": dict(method="rheo", temperature=1.0, seed=5)})  # auto, sampled
+    jobs.append(
+        {
+            "kind": "generate",
+            "prompt": ids[2],
+            "max_new_tokens": 40,
+            "options": dict(method="rheo", temperature=1.0, seed=5),
+        }
+    )  # auto, sampled
     g_ids = engine32.tokenizer.encode(G_PROMPT)
     jobs.append({"kind": "first_two", "prompt": g_ids, "runs": G_RUNS,
                  "max_new_tokens": G_TREE["depth"] + 1,

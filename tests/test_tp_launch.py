@@ -282,9 +282,9 @@ def test_api_tp3_reads_no_weight(config_only):
     "argv, says",
     [
         (["--tensor-parallel", "0"],
-         "error: --tensor-parallel 0 must be >= 1 (1: one device, no parallelism)"),
+         "error: --tensor-parallel 0 must be >= 1 (1: one device)"),
         (["--tensor-parallel", "-2"],
-         "error: --tensor-parallel -2 must be >= 1 (1: one device, no parallelism)"),
+         "error: --tensor-parallel -2 must be >= 1 (1: one device)"),
         (["--tensor-parallel", "x"],
          "error: argument --tensor-parallel: invalid int value: 'x'; see --help"),
         (["--tensor-parallel", "2", "--device", "cuda"], "error: --device cuda is not available"),

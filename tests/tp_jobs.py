@@ -93,8 +93,10 @@ def host_reads(engine: Engine, job: dict) -> dict:
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
-    engine = Engine.from_pretrained(spec["target"], spec["draft"], dtype=torch.float32,
-                                    tensor_parallel=spec["tensor_parallel"], tp_check=spec["tp_check"])  # fmt: skip
+    engine = Engine.from_pretrained(
+        spec["target"], spec["draft"], dtype=torch.float32,
+        tensor_parallel=spec["tensor_parallel"], tp_check=spec["tp_check"],
+    )  # fmt: skip
     kinds = {"generate": generate, "scheduler": scheduler, "first_two": first_two,
              "host_reads": host_reads}  # fmt: skip
     out = [kinds[job["kind"]](engine, job) for job in spec["jobs"]]

@@ -498,10 +498,7 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
         _check_cost_profile(args.cost_profile)
     dtype = None if args.dtype is None else _DTYPES[args.dtype]
     if args.tensor_parallel < 1:
-        raise BadInput(
-            f"--tensor-parallel {args.tensor_parallel} must be >= 1 (1: one device, no "
-            "parallelism)"
-        )
+        raise BadInput(f"--tensor-parallel {args.tensor_parallel} must be >= 1 (1: one device)")
     engine = Engine.from_pretrained(
         args.target, args.draft, args.device, dtype, args.pair, args.threads,
         tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,

@@ -23,10 +23,10 @@ from rheo_engine.machine import default_threads
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel, parameter_count
 from rheo_engine.parallel import TPGroup
+from rheo_engine.runtime import tp as tensor_parallelism
 from rheo_engine.runtime.decoder import BatchDecoder, solo_rows
 from rheo_engine.runtime.pairs import resolve_pair
 from rheo_engine.runtime.request import TREES, Generation, Request, RequestContext
-from rheo_engine.runtime import tp as tensor_parallelism
 from rheo_engine.runtime.scheduler import Scheduler
 from rheo_engine.runtime.tree_policy import CostProfile
 from rheo_engine.spec import kernels
@@ -142,8 +142,10 @@ class Engine:
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
         ):
             raise ValueError(f"threads={threads!r} must be an int >= 1 (or None: chosen)")
-        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or (
-            tensor_parallel < 1
+        if (
+            isinstance(tensor_parallel, bool)
+            or not isinstance(tensor_parallel, int)
+            or (tensor_parallel < 1)
         ):
             raise ValueError(
                 f"tensor_parallel={tensor_parallel!r} must be an int >= 1 (1: one device)"

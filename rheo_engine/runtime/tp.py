@@ -132,26 +132,38 @@ def start(load, load_args: tuple, tensor_parallel: int, target: str | Path,
     backend = "nccl" if device.type == "cuda" else "gloo"
     launched = _torchrun()
     if launched is not None:
-        rank, world, local = launched
-        if world != n:
-            raise ValueError(
-                f"tensor_parallel={n} but torchrun started WORLD_SIZE={world} processes; run "
-                f"torchrun --nproc-per-node {n} (times --nnodes), or pass --tensor-parallel {world}"
-            )
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-        try:
-            engine = _join(rank, n, _rank_device(device, local), threads, check, load, load_args)
-        except _LoadFailed as e:
-            if rank == 0:
-                raise ValueError(str(e)) from None
-            raise SystemExit(1) from None
-        if rank != 0:
-            follow(engine, engine.tp)
-            dist.destroy_process_group()
-            raise SystemExit(0)
-        atexit.register(shutdown, engine.tp)
-        return engine
+        return _start_launched(*launched, n, backend, device, threads, check, load, load_args)
+    return _start_spawning(n, backend, device, threads, check, load, load_args)
+
+
+def _start_launched(rank: int, world: int, local: int, n: int, backend: str,
+                    device: torch.device, threads, check: bool, load,
+                    load_args: tuple):  # fmt: skip
+    """torchrun's ranks: rank 0 returns its Engine, the others follow it and leave."""
+    if world != n:
+        raise ValueError(
+            f"tensor_parallel={n} but torchrun started WORLD_SIZE={world} processes; run "
+            f"torchrun --nproc-per-node {n} (times --nnodes), or pass --tensor-parallel {world}"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        engine = _join(rank, n, _rank_device(device, local), threads, check, load, load_args)
+    except _LoadFailed as e:
+        if rank == 0:
+            raise ValueError(str(e)) from None
+        raise SystemExit(1) from None
+    if rank != 0:
+        follow(engine, engine.tp)
+        dist.destroy_process_group()
+        raise SystemExit(0)
+    atexit.register(shutdown, engine.tp)
+    return engine
+
+
+def _start_spawning(n: int, backend: str, device: torch.device, threads, check: bool, load,
+                    load_args: tuple):  # fmt: skip
+    """This process is rank 0 and starts ranks 1..n-1 (fresh interpreters) itself."""
     if dist.is_initialized():
         raise ValueError(
             "torch.distributed is already initialized in this process (one tensor-parallel "
@@ -364,5 +376,6 @@ def follow(engine, group: TPGroup) -> None:
             decoders[message["d"]].follow(message, make_request)
 
 
-if __name__ == "__main__":  # a rank that start() spawned: python -m rheo_engine.runtime.tp SPEC FILE
+# A rank that start() spawned: python -m rheo_engine.runtime.tp SPEC ERROR_FILE
+if __name__ == "__main__":
     _worker(json.loads(sys.argv[1]), sys.argv[2])

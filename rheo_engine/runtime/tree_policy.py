@@ -498,9 +498,11 @@ def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, 
     shapes = f"target {t.num_hidden_layers}x{t.hidden_size}/{t.intermediate_size} V{t.vocab_size}"
     if h is not None:
         shapes += f", head {h.hidden_size} Vd{h.draft_vocab_size}"
-    return f"{shapes}, {device.type}, {str(dtype).replace('torch.', '')}, " + (
-        f"{torch.get_num_threads()} threads, {pool} pool, topk {topk}"
-    ) + (f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "")
+    parallel = f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    return (
+        f"{shapes}, {device.type}, {str(dtype).replace('torch.', '')}, "
+        f"{torch.get_num_threads()} threads, {pool} pool, topk {topk}{parallel}"
+    )
 
 
 def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 4), (4, 16, 4),
