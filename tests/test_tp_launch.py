@@ -58,12 +58,7 @@ INTERRUPTED = re.compile(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 # --- processes --------------------------------------------------------------------------------

@@ -82,26 +82,37 @@ def _check_shards(index: Path, weight_map: dict[str, str], held: dict[str, list[
         )
 
 
+_UNREADABLE = (SafetensorError, OSError, ValueError)  # what safetensors raises on bad bytes
+
+
+def _unreadable(path: Path, e: BaseException) -> ValueError:
+    return ValueError(
+        f"{path} is not a readable safetensors file ({e}); it is truncated or corrupt: "
+        "re-download or re-save it"
+    )
+
+
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({e}); it is truncated or corrupt: "
-            "re-download or re-save it"
-        ) from e
+    except _UNREADABLE as e:
+        raise _unreadable(path, e) from e
+
+
+def _checkpoint_files(path_or_dir: str | os.PathLike) -> tuple[Path, list[Path], dict | None]:
+    """(the path, its files, the index's weight_map or None) of a ``.safetensors`` file or a
+    checkpoint directory (single or sharded), every file checked to exist."""
+    p = Path(path_or_dir)
+    if p.is_dir():
+        return (p, *_shard_files(p))
+    if p.is_file():
+        return p, [p], None
+    raise FileNotFoundError(f"weights {p} not found; pass a .safetensors file or a model dir")
 
 
 def load_safetensors(path_or_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a ``.safetensors`` file, or of a checkpoint directory (single or sharded)."""
-    p = Path(path_or_dir)
-    weight_map = None
-    if p.is_dir():
-        files, weight_map = _shard_files(p)
-    elif p.is_file():
-        files = [p]
-    else:
-        raise FileNotFoundError(f"weights {p} not found; pass a .safetensors file or a model dir")
+    p, files, weight_map = _checkpoint_files(path_or_dir)
     tensors: dict[str, torch.Tensor] = {}
     held: dict[str, list[str]] = {}  # tensor name -> the files holding it
     for f in files:
@@ -129,7 +140,6 @@ class LazyTensor:
         self.path, self.name, self.owner = path, name, owner
         self.shape = torch.Size(shape)
         self.dtype = _ST_DTYPES.get(dtype, torch.uint8)
-        self._st_dtype = dtype
 
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
@@ -156,16 +166,16 @@ class LazyWeights(dict):
             self.close()
             self._open = (t.path, safe_open(str(t.path), framework="pt"))
             self.files_opened.append(t.path.name)
+        handle = self._open[1]
         try:
-            piece = self._open[1].get_slice(t.name)
             if not t.shape:
-                part = self._open[1].get_tensor(t.name)
+                part = handle.get_tensor(t.name)
             else:
                 length = t.shape[dim] if length is None else length
                 index = [slice(None)] * len(t.shape)
                 index[dim] = slice(start, start + length)
-                part = piece[tuple(index)]
-        except (SafetensorError, OSError, ValueError) as e:
+                part = handle.get_slice(t.name)[tuple(index)]
+        except _UNREADABLE as e:
             raise ValueError(
                 f"{t.path}: tensor {t.name} cannot be read ({e}); the file is truncated or "
                 "corrupt: re-download or re-save it"
@@ -181,14 +191,7 @@ def open_safetensors(path_or_dir: str | os.PathLike) -> LazyWeights:
     """The tensors of a ``.safetensors`` file or checkpoint directory (single or sharded), as
     LazyTensors: headers read and checked as load_safetensors checks them, no tensor data read.
     A tensor-parallel rank reads only its parts (models.llama.rank_parts) through them."""
-    p = Path(path_or_dir)
-    weight_map = None
-    if p.is_dir():
-        files, weight_map = _shard_files(p)
-    elif p.is_file():
-        files = [p]
-    else:
-        raise FileNotFoundError(f"weights {p} not found; pass a .safetensors file or a model dir")
+    p, files, weight_map = _checkpoint_files(path_or_dir)
     lazy = LazyWeights()
     held: dict[str, list[str]] = {}
     for f in files:
@@ -198,14 +201,18 @@ def open_safetensors(path_or_dir: str | os.PathLike) -> LazyWeights:
                     piece = handle.get_slice(name)
                     lazy[name] = LazyTensor(f, name, piece.get_shape(), piece.get_dtype(), lazy)
                     held.setdefault(name, []).append(f.name)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(
-                f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: "
-                "re-download or re-save it"
-            ) from e
+        except _UNREADABLE as e:
+            raise _unreadable(f, e) from e
     if weight_map is not None:
         _check_shards(p / _INDEX, weight_map, held)
     return lazy
+
+
+def tensor_part(t, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """A tensor, or a LazyTensor read, cut to ``part`` ((dim, start, length); None: whole)."""
+    if part is None:
+        return t.load() if isinstance(t, LazyTensor) else t
+    return t.narrow(*part)
 
 
 def read_parts(
@@ -214,13 +221,7 @@ def read_parts(
     """``weights[name]`` cut to ``parts[name]`` ((dim, start, length), or None: whole) for every
     name of ``parts``. LazyTensors are read file by file, in the files' order, each file once."""
     order = sorted(parts, key=lambda n: str(getattr(weights[n], "path", "")))
-    out = {}
-    for name in order:
-        t, part = weights[name], parts[name]
-        if isinstance(t, LazyTensor):
-            out[name] = t.load() if part is None else t.narrow(*part)
-        else:
-            out[name] = t if part is None else t.narrow(*part)
+    out = {name: tensor_part(weights[name], parts[name]) for name in order}
     if isinstance(weights, LazyWeights):
         weights.close()
     return out

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
-from rheo_engine.io.weights import LazyTensor, load_safetensors, open_safetensors, read_parts
+from rheo_engine.io.weights import load_safetensors, open_safetensors, read_parts, tensor_part
 from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
 from rheo_engine.parallel import TPGroup
@@ -121,10 +121,7 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     embed = weights.get("model.embed_tokens.weight")
     if cfg.tie_word_embeddings and "lm_head.weight" in extra and embed is not None:
         # Some exports of tied models save the shared matrix twice; equal, it is no conflict.
-        def whole(t):
-            return t.load() if isinstance(t, LazyTensor) else t
-
-        if torch.equal(whole(weights["lm_head.weight"]), whole(embed)):
+        if torch.equal(tensor_part(weights["lm_head.weight"]), tensor_part(embed)):
             extra.remove("lm_head.weight")
     if missing and not any(k.startswith("model.") for k in weights) and "fc.weight" in weights:
         raise ValueError(
@@ -227,10 +224,15 @@ def rank_parts(cfg: ModelConfig, tp: TPGroup | None) -> dict[str, tuple[int, int
     return parts
 
 
+def vocab_per_rank(vocab_size: int, tp: TPGroup) -> int:
+    """lm_head rows a rank holds: ceil(V / N) (the last rank's zero-padded to it)."""
+    return -(-vocab_size // tp.size)
+
+
 def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
     """(start, count) of this rank's lm_head rows: ceil(V / N) each, the last rank's cut at V
     (its logits are padded to the same width for the gather, and the pad dropped after)."""
-    per = -(-vocab_size // tp.size)
+    per = vocab_per_rank(vocab_size, tp)
     start = min(tp.rank * per, vocab_size)
     return start, min(per, vocab_size - start)
 
@@ -351,15 +353,16 @@ class LlamaModel:
                 )
             )
         embed = w("model.embed_tokens.weight")
-        if cfg.tie_word_embeddings:
-            lm_head = embed
-            if tp is not None and tp.size > 1:
-                start, count = vocab_rows(cfg.vocab_size, tp)
-                lm_head = embed[start : start + count]  # a view: no second copy
-        else:
+        split = tp is not None and tp.size > 1
+        if not cfg.tie_word_embeddings:
             lm_head = w("lm_head.weight")
-        if tp is not None and tp.size > 1:
-            per = -(-cfg.vocab_size // tp.size)
+        elif split:
+            start, count = vocab_rows(cfg.vocab_size, tp)
+            lm_head = embed[start : start + count]  # a view: no second copy
+        else:
+            lm_head = embed
+        if split:
+            per = vocab_per_rank(cfg.vocab_size, tp)
             if lm_head.shape[0] < per:  # the last rank of a vocabulary N does not divide
                 pad = lm_head.new_zeros(per - lm_head.shape[0], lm_head.shape[1])
                 lm_head = torch.cat([lm_head, pad])

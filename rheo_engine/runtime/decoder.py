@@ -332,8 +332,9 @@ class BatchDecoder:
             group = groups[self._turn % len(groups)]
             self._turn += 1
             parts = self._plan([s for s in self.running if s.group == group])
-            plan = [[[s.slot for s in seqs], dataclasses.asdict(cfg)] for seqs, cfg, _ in parts]
-            self._tell("step", parts=plan)
+            if self._leads:  # the plan as JSON only when ranks follow it (a step's hot path)
+                plan = [[[s.slot for s in seqs], dataclasses.asdict(cfg)] for seqs, cfg, _ in parts]
+                self._tell("step", parts=plan)
             return self._run_parts(parts)
 
     def _run_parts(self, parts) -> list[tuple[SeqState, list[int], str | None]]:

@@ -142,14 +142,7 @@ class Engine:
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
         ):
             raise ValueError(f"threads={threads!r} must be an int >= 1 (or None: chosen)")
-        if (
-            isinstance(tensor_parallel, bool)
-            or not isinstance(tensor_parallel, int)
-            or (tensor_parallel < 1)
-        ):
-            raise ValueError(
-                f"tensor_parallel={tensor_parallel!r} must be an int >= 1 (1: one device)"
-            )
+        tensor_parallelism.check_size(tensor_parallel)
         if pair is not None:
             if target is not None or draft is not None:
                 raise ValueError(

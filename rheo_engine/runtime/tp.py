@@ -50,7 +50,7 @@ from rheo_engine.parallel import TPGroup
 from rheo_engine.runtime.decoder import BatchDecoder
 from rheo_engine.runtime.request import Request
 
-__all__ = ["check_shardable", "follow", "shutdown", "start"]
+__all__ = ["check_shardable", "check_size", "follow", "shutdown", "start"]
 
 WATCH_S = 0.2  # how often rank 0 checks that its spawned ranks live
 # Collectives wait this long for a peer (a follower waits for the next request between them:
@@ -58,10 +58,15 @@ WATCH_S = 0.2  # how often rank 0 checks that its spawned ranks live
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=30)
 
 
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1 (1: one device, no parallelism)")
-    return value
+def check_size(tensor_parallel: object) -> int:
+    """``tensor_parallel`` if it is an int >= 1, else a one-line ValueError."""
+    if (
+        isinstance(tensor_parallel, bool)
+        or not isinstance(tensor_parallel, int)
+        or (tensor_parallel < 1)
+    ):
+        raise ValueError(f"tensor_parallel={tensor_parallel!r} must be an int >= 1 (1: one device)")
+    return tensor_parallel
 
 
 def read_config(target: str | Path) -> ModelConfig:
@@ -127,7 +132,7 @@ def start(load, load_args: tuple, tensor_parallel: int, target: str | Path,
     """Rank 0's Engine of a ``tensor_parallel``-way group (see the module docstring).
     ``load(group, device, threads, *load_args)`` builds one rank's Engine: a module-level
     function (the spawned ranks import it)."""
-    n = _count("tensor_parallel", tensor_parallel)
+    n = check_size(tensor_parallel)
     check_shardable(read_config(target), n, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     launched = _torchrun()
