@@ -40,6 +40,14 @@ from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.parallel import TPGroup
+from rheo_engine.runtime.lookup_policy import (
+    StepCosts,
+    cached_costs,
+    choose_nodes,
+    costs_key,
+    keep_costs,
+    measure_costs,
+)
 from rheo_engine.runtime.request import Request
 from rheo_engine.runtime.tree_policy import (
     AutoTree,
@@ -53,7 +61,15 @@ from rheo_engine.runtime.tree_policy import (
     topk_choices,
 )
 from rheo_engine.spec import kernels
-from rheo_engine.spec.draft import draft_tree, pool_kind, root_only_tree
+from rheo_engine.spec.draft import DraftTree, draft_tree, pool_kind, root_only_tree
+from rheo_engine.spec.lookup import (
+    Candidates,
+    LookupIndex,
+    LookupStats,
+    candidates,
+    lookup_tree,
+    step_events,
+)
 from rheo_engine.spec.step import Draw, StepResult, max_tree_size, speculative_step
 from rheo_engine.spec.verify import Outcome, emitted_logprobs, verify_tree
 
@@ -65,6 +81,7 @@ class TreeGroup:
     """What decides a request's trees: requests of one group can share a step's tree shape."""
 
     drafts: bool  # False: every step is the root alone (ar, total_tokens=1, one new token)
+    source: str  # draft source: "head", "lookup" (prompt lookup, spec.lookup) or "both"
     tree: str  # "auto" or "fixed"
     topk: int
     depth: int
@@ -86,6 +103,11 @@ class SeqState:
     step: int = 0
     emitted: int = 0  # tokens the steps emitted so far (before the request's own cut)
     stop: str | None = None  # why it ended (None while it runs)
+    # Prompt lookup (drafts "lookup"/"both"): the n-gram index of prompt + emitted tokens, the
+    # sequence's evidence of how far its lookup drafts hold, and this step's candidates.
+    lookup: LookupIndex | None = None
+    lookup_stats: LookupStats | None = None
+    cands: Candidates | None = None
 
 
 def _outcome_row(outcome: Outcome, b: int) -> Outcome:
@@ -220,6 +242,9 @@ class BatchDecoder:
             self._run_parts(parts)
         elif op == "release":
             self._release(by_slot[message["slot"]])
+        elif op == "measure-lookup":
+            self.profiles[message["key"]] = self._measure_lookup(by_slot[message["slot"]],
+                                                                 message["key"])  # fmt: skip
         elif op == "measure":
             seq = by_slot[message["slot"]]
             self._calibrate(seq, self._measure(seq, message["key"]))
@@ -264,14 +289,16 @@ class BatchDecoder:
         head's pairs: only the K/V and the features are kept, no vocabulary projection."""
         request.begin()
         start = time.perf_counter()
-        drafts = request.drafts
-        root = self._prefill_ids(slot, request.prompt_ids, drafts)
+        drafts, source = request.drafts, request.draft_source
+        root = self._prefill_ids(slot, request.prompt_ids, drafts and source != "lookup")
         cfg = request.tree_cfg
         profile = id(request.cost_profile) if request.cost_profile else None
-        group = TreeGroup(drafts, request.tree, cfg.topk, cfg.depth, cfg.total_tokens, cfg.leads,
-                          cfg.support, profile)  # fmt: skip
+        group = TreeGroup(drafts, source if drafts else "head", request.tree, cfg.topk, cfg.depth,
+                          cfg.total_tokens, cfg.leads, cfg.support, profile)  # fmt: skip
         request.prefill_s = time.perf_counter() - start
         seq = SeqState(request, slot, root, group, min(request.context, self.max_len))
+        if drafts and source != "head":
+            seq.lookup, seq.lookup_stats = LookupIndex(request.prompt_ids), LookupStats()
         self.running.append(seq)
         return seq
 
@@ -385,17 +412,20 @@ class BatchDecoder:
         differs (near their end) run as separate batches of the step: so a request gives its
         lone tokens in any batch. The auto tree picks one tree for the batch, priced for its
         size, within the room every sequence has and the most tokens any still wants."""
-        if not seqs[0].group.drafts or any(self.drafter.length(s.slot) == 0 for s in seqs):
-            # A head needs one (feature, token) pair before it can draft, so the first step of
-            # a one-token prompt is a plain target step.
-            return [(seqs, TreeConfig("ar"), None)]
-        policy = self._policy(seqs[0])
-
         def room(s: SeqState) -> int:
             return s.limit - self.pool.lengths[s.slot]
 
         def wanted(s: SeqState) -> int:
             return s.request.max_new_tokens - s.emitted
+
+        group = seqs[0].group
+        if group.drafts and group.source == "lookup":
+            return self._plan_lookup(seqs, room, wanted)
+        if not group.drafts or any(self.drafter.length(s.slot) == 0 for s in seqs):
+            # A head needs one (feature, token) pair before it can draft, so the first step of
+            # a one-token prompt is a plain target step.
+            return [(seqs, TreeConfig("ar"), None)]
+        policy = self._policy(seqs[0])
 
         # Lossless (docs/tree_policy.md §7): the policy fixes the tree from what is known before
         # the step (the free rows, the tokens still wanted, past steps and measured costs),
@@ -409,6 +439,63 @@ class BatchDecoder:
             parts.setdefault(policy.choose(room(s), wanted(s)), []).append(s)
         return [(part, cfg, policy) for cfg, part in parts.items()]
 
+    def _plan_lookup(self, seqs: list[SeqState], room, wanted):
+        """Prompt lookup's step: per sequence its own tree of lookup candidates, as many nodes
+        as its evidence and the measured step costs pay for (lookup_policy.choose_nodes); the
+        sequences with no tree that pays take one plain step together."""
+        costs = self._lookup_costs(seqs[0])
+        plain, parts = [], []
+        for s in seqs:
+            cfg = s.request.tree_cfg
+            s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk)
+            n, depth = choose_nodes(s.cands, costs, room(s), wanted(s), cfg.total_tokens)
+            if n == 1:
+                plain.append(s)
+            else:
+                parts.append(([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None))
+        return ([(plain, TreeConfig("ar"), None)] if plain else []) + parts
+
+    def _lookup_costs(self, seq: SeqState) -> StepCosts:
+        """What target steps of n rows cost here (lookup_policy.StepCosts): kept for this
+        (model, device, dtype, threads) in the process and on the machine, else measured now on
+        this sequence's slot (its trees run and are never committed; the time goes to the
+        request's measure_s)."""
+        target = self.target
+        tp = 1 if target.tp is None else target.tp.size
+        key = costs_key(target.cfg, target.device, target.dtype, tp)
+        costs = self.profiles.get(key) or cached_costs(key)
+        if costs is None:
+            start = time.perf_counter()
+            self._tell("measure-lookup", slot=seq.slot, key=key)
+            costs = self._measure_lookup(seq, key)
+            seq.request.measure_s += time.perf_counter() - start
+            keep_costs(costs)
+        self.profiles[key] = costs
+        return costs
+
+    def _measure_lookup(self, seq: SeqState, key: str) -> StepCosts:
+        request = seq.request
+        view = self.pool.batch([seq.slot])
+        target = _SlotTarget(self.target, view, ())
+        prefix = view.lengths_dev
+        free = self.max_len - self.pool.lengths[seq.slot]
+        probe_step = 2**42  # coins no request (nor the head's measurements) draws
+
+        def run_step(n: int) -> None:
+            chain = Candidates([int(seq.root)] * (n - 1), list(range(-1, n - 2)),
+                               list(range(1, n)), [1] * (n - 1), [-float(d) for d in range(1, n)])  # fmt: skip
+            dt = root_only_tree(seq.root, prefix) if n == 1 else lookup_tree(
+                chain, seq.root, prefix, n, n - 1)  # fmt: skip
+            logits, _ = target.forward_tree(dt.tree)
+            verify_tree(logits, dt, request.tree_cfg.method, request.sampling, request.seed,
+                        probe_step)  # fmt: skip
+
+        with torch.no_grad():
+            # A fixed number of rounds under tensor parallelism: every rank runs the same ones.
+            budget = 0.0 if self.tp is not None else 4.0
+            return measure_costs(key, run_step, min(request.tree_cfg.total_tokens, free),
+                                 repeats=3 if self.tp is not None else 5, budget_s=budget)  # fmt: skip
+
     @torch.no_grad()
     def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy):
         start = time.perf_counter()
@@ -417,15 +504,30 @@ class BatchDecoder:
                  s.request.history)
             for s in seqs
         ]  # fmt: skip
+        group = seqs[0].group
+        lookup = group.drafts and group.source == "lookup"
+        drafted = None
+        if lookup and cfg.method != "ar":  # one sequence: its lookup tree (_plan_lookup)
+            s = seqs[0]
+            if s.cands is None:  # a rank > 0 replaying rank 0's plan
+                tc = s.request.tree_cfg
+                s.cands = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk)
+            view = self._view([s.slot])
+            drafted = lookup_tree(s.cands, s.root, view.lengths_dev, cfg.total_tokens,
+                                  cfg.depth, self.status)  # fmt: skip
         result = self._speculate(
             [s.slot for s in seqs], torch.cat([s.root for s in seqs]), cfg, draws,
-            seqs[0].group.drafts,
+            group.drafts and not lookup, drafted,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         predicted = getattr(policy, "predicted_s", None)
         out = []
         for b, s in enumerate(seqs):
             r, row = s.request, _outcome_row(result.outcome, b)
+            if lookup:
+                self._observe_lookup(s, drafted, row)
+            elif group.drafts and cfg.method != "ar":
+                r.accepted["head"] = r.accepted.get("head", 0) + row.accept_len[0] - 1
             if policy is not None:
                 policy.observe(cfg, row, seconds)
             r.trees.add(cfg, predicted, seconds)
@@ -441,6 +543,17 @@ class BatchDecoder:
             out.append((s, emitted, logprobs))
         return out
 
+    def _observe_lookup(self, s: SeqState, drafted: DraftTree | None, row: Outcome) -> None:
+        """After a step of a lookup sequence: its evidence (what its lookup nodes held), the
+        accepted count, and the index extended with the emitted tokens."""
+        accepted = row.accept_len[0] - 1
+        if drafted is not None:
+            events = step_events(s.cands, drafted.tree, row.accept_path[0], row.accept_len[0])
+            s.lookup_stats.observe(events)
+            s.request.accepted["lookup"] = s.request.accepted.get("lookup", 0) + accepted
+        s.lookup.extend(row.emitted[0])
+        s.cands = None
+
     def _speculate(
         self,
         slots: list[int],
@@ -448,9 +561,11 @@ class BatchDecoder:
         cfg: TreeConfig,
         draws: list[Draw],
         drafts: bool,
+        drafted: DraftTree | None = None,
     ) -> StepResult:
         """One step (step.speculative_step) over these slots, committed; ``drafts``: whether
-        the head takes part (it also queues the pairs of a plain step)."""
+        the head takes part (it also queues the pairs of a plain step); ``drafted``: a lookup
+        tree made before the step."""
         view = self._view(slots)
         target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else ())
         if drafts:
@@ -459,7 +574,7 @@ class BatchDecoder:
         # and the roots and the tree policy's evidence come from the step's one read.
         return speculative_step(
             target, self.drafter if drafts else None, roots, view.lengths_dev, cfg, draws,
-            self.head.draft_to_target if drafts else None, self.status,
+            self.head.draft_to_target if drafts else None, self.status, drafted,
         )  # fmt: skip
 
     def _view(self, slots: list[int]) -> SlotBatch:

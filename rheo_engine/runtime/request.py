@@ -27,6 +27,7 @@ from rheo_engine.spec.step import StepTimes, resolve_seed
 from rheo_engine.spec.verify import History, TokenLogprob
 
 TREES = ("auto", "fixed")
+DRAFTS = ("head", "lookup", "both")  # draft sources: the EAGLE-3 head, prompt lookup, or both
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Generation:
     # Where each of temperature, top_p, top_k, min_p, repetition_penalty came from: "request",
     # the target's "generation_config.json", or the engine's "default".
     sampling_sources: dict[str, str] = field(default_factory=dict)
+    drafts: str = "head"  # the draft sources used: "head", "lookup" or "both"
+    # Draft tokens accepted per source ("head", "lookup"), before the request's own cut.
+    accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -90,6 +94,11 @@ class RequestContext:
 
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def default_drafts(has_head: bool) -> str:
+    """The draft sources of a request that names none: both with a head, else lookup."""
+    return "both" if has_head else "lookup"
 
 
 def _is_messages(prompt: object) -> bool:
@@ -183,6 +192,7 @@ class Request:
         chat_template: str | None = None,
         tree: str = "auto",
         cost_profile: str | Path | CostProfile | None = None,
+        drafts: str | None = None,  # None: "both" with a head loaded, else "lookup"
         run: Callable[[Request], Iterator[list[int]]] | None = None,
     ) -> None:
         """``run``: what iterating the request does (the engine's: a decoder of one slot,
@@ -204,9 +214,16 @@ class Request:
         self.sampling = SamplingConfig(
             **values, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty
         )
-        if method != "ar" and not ctx.has_head:
+        self.draft_source = default_drafts(ctx.has_head) if drafts is None else drafts
+        if self.draft_source not in DRAFTS:
             raise ValueError(
-                f"method={method!r} needs a draft head; load one with draft=DIR or use method='ar'"
+                f"drafts={drafts!r} is not one of {list(DRAFTS)}: 'head' drafts with the EAGLE-3 "
+                "head, 'lookup' from the context (prompt lookup), 'both' merges them"
+            )
+        if method != "ar" and self.draft_source != "lookup" and not ctx.has_head:
+            raise ValueError(
+                f"drafts={self.draft_source!r} needs a draft head and none is loaded; load one "
+                "with draft=DIR, or draft from the context with drafts='lookup'"
             )
         max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
         self.min_new_tokens = check_count("min_new_tokens", min_new_tokens)
@@ -247,7 +264,7 @@ class Request:
             frequency_penalty=frequency_penalty, stop=stop, ignore_eos=ignore_eos,
             min_new_tokens=min_new_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
             seed=self.seed, topk=topk, depth=depth, total_tokens=total_tokens, leads=leads,
-            support=support, tree=tree, max_new_tokens=max_new_tokens,
+            support=support, tree=tree, max_new_tokens=max_new_tokens, drafts=self.draft_source,
         )  # fmt: skip
         self.result: Generation | None = None
         self.prefill_s = self.measure_s = 0.0
@@ -314,6 +331,7 @@ class Request:
         self._logprobs: list[TokenLogprob] | None = [] if self.logprobs else None
         self._stopper = StopStrings(self.ctx.tokenizer, self.stop, self.min_new_tokens)
         self._texts: list[str] = []
+        self.accepted: dict[str, int] = {}
         self.text_piece = self.tail_text = ""
         self.step_logprobs: list[TokenLogprob] = []
 
@@ -351,7 +369,8 @@ class Request:
             times=self.times, prefill_s=self.prefill_s, measure_s=self.measure_s,
             tree=self.tree, trees=self.trees, stop_string=stopper.stop_string,
             logprobs=self._logprobs, sampling=self.sampling,
-            sampling_sources=self.sampling_sources,
+            sampling_sources=self.sampling_sources, drafts=self.draft_source,
+            accepted=dict(self.accepted),
         )  # fmt: skip
         return self.result
 

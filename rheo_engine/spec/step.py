@@ -200,6 +200,7 @@ def speculative_step(
     draws: Draw | Sequence[Draw],
     draft_to_target: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    drafted: DraftTree | None = None,
 ) -> StepResult:
     """One step for B sequences: draft a tree per root, verify it, accept, commit. The engine's
     only step: a request alone is a batch of one (rheo_engine.runtime.decoder), and the n-gram toy
@@ -217,18 +218,22 @@ def speculative_step(
     input in one status word, read with the verdict by read_outcome; the commits and the emitted
     tokens then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the
     device), so that a run of steps keeps its buffers at fixed addresses; None allocates one.
+    ``drafted``: a tree made before the step from the history alone (prompt lookup,
+    spec.lookup), verified as given; the drafter, if any, is then only committed.
     """
     shared = isinstance(draws, Draw)
     B = root_tokens.shape[0]
     if not shared and len(draws) != B:
         raise ValueError(f"{len(draws)} draws for a batch of {B}; pass one Draw per row")
-    if drafter is None and cfg.method != "ar":
-        raise ValueError(f"method {cfg.method!r} drafts a tree: pass a drafter")
+    if drafter is None and drafted is None and cfg.method != "ar":
+        raise ValueError(f"method {cfg.method!r} drafts a tree: pass a drafter or a tree")
     clock, times = _Clock(), StepTimes()
     timed = None if drafter is None else _TimedDrafter(drafter)
     # [1] int32, the step's kernels OR into it
     status = kernels.status_word(root_tokens.device) if status is None else status.zero_()
-    if shared:
+    if drafted is not None:
+        dt = drafted
+    elif shared:
         d = draws
         dt = draft_tree(
             timed, root_tokens, prefix_len, cfg, d.sampling.temperature, d.seed, d.step,

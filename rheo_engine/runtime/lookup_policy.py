@@ -1,0 +1,134 @@
+"""How many lookup nodes a step drafts (docs/lookup.md): the measured cost of a target step of
+n rows against the acceptance the sequence's own evidence predicts.
+
+A step over the best N - 1 lookup candidates (spec.lookup) yields 1 + E[accepted] tokens, where
+E[accepted] is the sum of the kept nodes' estimated acceptances (LookupStats), and costs
+``StepCosts.step_s(N)``: a target forward over N rows plus verification, measured on the
+running machine. The policy takes the N with the most tokens per second, and a plain step
+(N = 1) when no tree beats it by ``MARGIN`` or nothing matches. Everything it reads is known
+before the step (the history, past steps' evidence, the measured costs), so the tree is fixed
+before the step's coins: lossless (DESIGN §2.4).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rheo_engine.machine import kept_file, read_kept, write_kept
+from rheo_engine.spec.lookup import Candidates
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+MARGIN = 1.05  # a tree must beat a plain step's tokens per second by 5%
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a target step (forward and verification) over n rows, measured on this
+    machine: non-decreasing in n (a monotone fit of the medians), with the spread of the
+    repeated, interleaved measurements (max / min of the repeats at each n, worst n)."""
+
+    key: str
+    step_s: dict[int, float]
+    spread: float = 0.0
+    measure_s: float = 0.0
+
+    def cost(self, n: int) -> float:
+        """Seconds at n rows: linear between measured sizes, past the last by its slope."""
+        sizes = sorted(self.step_s)
+        if n in self.step_s:
+            return self.step_s[n]
+        lo = max((s for s in sizes if s <= n), default=sizes[0])
+        hi = min((s for s in sizes if s >= n), default=sizes[-1])
+        if lo == hi:  # past the ends: the last segment's slope
+            a, b = sizes[-2:] if n > sizes[-1] and len(sizes) > 1 else (lo, lo)
+            slope = 0.0 if a == b else (self.step_s[b] - self.step_s[a]) / (b - a)
+            return self.step_s[lo] + slope * (n - lo)
+        w = (n - lo) / (hi - lo)
+        return self.step_s[lo] * (1 - w) + self.step_s[hi] * w
+
+
+def monotone(values: dict[int, float]) -> dict[int, float]:
+    """The running maximum in n: a step over more rows never costs less than one over fewer
+    (a measurement that says so saw noise, DESIGN §2.7)."""
+    out, best = {}, 0.0
+    for n in sorted(values):
+        best = max(best, values[n])
+        out[n] = best
+    return out
+
+
+def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
+                  budget_s: float = 4.0) -> StepCosts:  # fmt: skip
+    """Time ``run_step(n)`` (one target forward over n rows plus its verification, nothing
+    committed) at SIZES <= max_nodes: rounds over all sizes, interleaved, until ``repeats``
+    rounds or ``budget_s`` seconds (at least 2 rounds), then the median per size, fit
+    monotone."""
+    start = time.perf_counter()
+    sizes = [n for n in SIZES if n <= max(1, max_nodes)]
+    run_step(sizes[-1])  # warm-up: allocations, caches
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    rounds = 0
+    while rounds < repeats and (rounds < 2 or time.perf_counter() - start < budget_s):
+        for n in sizes:
+            t0 = time.perf_counter()
+            run_step(n)
+            times[n].append(time.perf_counter() - t0)
+        rounds += 1
+    medians = {n: statistics.median(ts) for n, ts in times.items()}
+    spread = max(max(ts) / min(ts) for ts in times.values())
+    return StepCosts(key, monotone(medians), spread, time.perf_counter() - start)
+
+
+def cached_costs(key: str) -> StepCosts | None:
+    raw = read_kept(kept_file("lookup-costs", key))
+    try:
+        costs = StepCosts(str(raw["key"]), {int(k): float(v) for k, v in raw["step_s"].items()},
+                          float(raw["spread"]), float(raw["measure_s"]))  # fmt: skip
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    if costs.key != key or not costs.step_s:
+        return None
+    costs.step_s = monotone(costs.step_s)
+    return costs
+
+
+def keep_costs(costs: StepCosts) -> None:
+    write_kept(kept_file("lookup-costs", costs.key), asdict(costs))
+
+
+def costs_key(target_cfg, device: torch.device, dtype: torch.dtype, tensor_parallel: int) -> str:
+    t = target_cfg
+    parallel = f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    return (
+        f"lookup steps: target {t.num_hidden_layers}x{t.hidden_size}/{t.intermediate_size} "
+        f"V{t.vocab_size}, {device.type}, {str(dtype).replace('torch.', '')}, "
+        f"{torch.get_num_threads()} threads{parallel}"
+    )
+
+
+def choose_nodes(cands: Candidates, costs: StepCosts, room: int, wanted: int,
+                 max_nodes: int) -> tuple[int, int]:  # fmt: skip
+    """(N, depth) of the step: the N <= min(room, max_nodes) maximising (1 + E[accepted]) /
+    cost(N) over the candidates no deeper than wanted - 1; (1, 0), a plain step, when no tree
+    beats a plain step by MARGIN."""
+    depth_cap = wanted - 1
+    usable = [i for i in cands.ranked() if cands.depth[i] <= depth_cap]
+    limit = min(room, max_nodes, len(usable) + 1)
+    if limit < 2:
+        return 1, 0
+    plain = 1.0 / costs.cost(1)
+    best_rate, best_n, gained = plain * MARGIN, 1, 0.0
+    for n in range(2, limit + 1):
+        gained += math.exp(cands.scores[usable[n - 2]])
+        rate = (1.0 + gained) / costs.cost(n)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    if best_n == 1:
+        return 1, 0
+    depth = max(cands.depth[i] for i in usable[: best_n - 1])
+    return best_n, depth

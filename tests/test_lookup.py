@@ -1,0 +1,307 @@
+"""Prompt lookup drafts (rheo_engine.spec.lookup, runtime.lookup_policy; docs/lookup.md).
+
+1. The index: latest occurrence first, longest n first, incremental = built at once, a match
+   reads a bounded number of keys whatever the context's length.
+2. The trie: shared prefixes are one node, several continuations are branches, a child never
+   outscores its parent, and the rerank kernel lays it out.
+3. Lossless, exactly: on an n-gram toy target whose history repeats motifs (so lookup branches
+   exist and are accepted), the law of the next tokens after a lookup tree's step equals the
+   target's within 1e-12 for topk/rrsw/rheo, at T = 1 and T = 0.7 with top-p; a tree picked
+   after peeking at the step's target logits (the negative control) is not.
+4. Lossless, Monte Carlo through the compiled kernels with Philox coins: G-test of the first
+   three tokens, lookup nodes accepted in most runs; the same counts fail against T = 0.85.
+5. The policy: no match, or evidence that lookup fails, gives a plain step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from stats_utils import g_test
+from test_lossless import law_of_next_tokens, step_law, target_law
+
+from rheo_engine.config import SamplingConfig, TreeConfig
+from rheo_engine.models.ngram import NGramTable, NGramTarget
+from rheo_engine.runtime.lookup_policy import StepCosts, choose_nodes, monotone
+from rheo_engine.spec import kernels
+from rheo_engine.spec.lookup import (
+    Candidates,
+    LookupIndex,
+    LookupStats,
+    candidates,
+    lookup_tree,
+    step_events,
+)
+from rheo_engine.spec.step import Draw, speculative_step
+from rheo_engine.spec.verify import read_outcome
+
+METHODS = ("topk", "rrsw", "rheo")
+
+# --- 1. the index -----------------------------------------------------------------------------
+
+
+def test_latest_and_longest_match_first():
+    # ... 1 2 3 7 ... 1 2 3 8 ... 5 3 9 ... 1 2 3: the 3-gram (1 2 3) matched, latest first.
+    index = LookupIndex([1, 2, 3, 7, 0, 1, 2, 3, 8, 0, 5, 3, 9, 0, 1, 2, 3])
+    got = index.matches(max_depth=2, branches=8)
+    assert got[:2] == [(3, [8, 0]), (3, [7, 0])]
+    # shorter n add what the longer missed: "3 9" after the 1-gram (3)
+    assert (1, [9, 0]) in got
+    assert index.matches(max_depth=2, branches=1) == [(3, [8, 0])]
+
+
+def test_incremental_equals_built_at_once():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (400,), generator=g).tolist()
+    grown = LookupIndex(tokens[:10])
+    for i in range(10, 400, 7):
+        grown.extend(tokens[i : i + 7])
+    whole = LookupIndex(tokens)
+    assert grown.table == whole.table
+    assert grown.matches(5, 4) == whole.matches(5, 4)
+
+
+def test_match_cost_does_not_grow_with_the_context():
+    """A match reads max_n keys and at most keep positions each: count the dict lookups."""
+
+    class Counting(dict):
+        reads = 0
+
+        def get(self, key, default=None):
+            Counting.reads += 1
+            return super().get(key, default)
+
+    for length in (100, 10_000):
+        index = LookupIndex([i % 50 for i in range(length)])
+        index.table = Counting(index.table)
+        Counting.reads = 0
+        assert index.matches(8, 4)
+        assert Counting.reads <= index.max_n
+        assert all(len(v) <= index.keep for v in index.table.values())
+
+
+def test_no_match_no_candidates():
+    assert LookupIndex([1, 2, 3, 4]).matches(4, 4) == []
+    assert len(candidates(LookupIndex([1, 2, 3, 4]), LookupStats(), 4, 4)) == 0
+
+
+# --- 2. the trie --------------------------------------------------------------------------------
+
+
+def test_trie_branches_share_prefixes_and_scores_fall():
+    # After "4 1": seen "1 5 6 7" and "1 5 8": one node for 5, then branches 6 / 8.
+    index = LookupIndex([1, 5, 6, 7, 0, 1, 5, 8, 0, 4, 1])
+    cands = candidates(index, LookupStats(), max_depth=3, branches=4)
+    assert cands.tokens[0] == 5 and cands.depth[0] == 1
+    kids = [i for i, p in enumerate(cands.parents) if p == 0]
+    assert sorted(cands.tokens[i] for i in kids) == [6, 8]
+    for i, p in enumerate(cands.parents):
+        if p >= 0:
+            assert cands.scores[i] < cands.scores[p]
+            assert p < i  # breadth-first: parents first
+    tree = lookup_tree(cands, torch.tensor([1]), torch.tensor([11]), len(cands) + 1, 3).tree
+    assert tree.tokens[0].tolist()[0] == 1 and sorted(tree.tokens[0, 1:].tolist()) == sorted(
+        cands.tokens
+    )
+    assert (tree.sampled_row == -1).all()
+    assert tree.positions[0].tolist() == [11 + d for d in tree.depth[0].tolist()]
+
+
+# --- 3. exact laws on the n-gram toy ------------------------------------------------------------
+
+# The history repeats the motif 0 1 2 3 (and once 0 1 3), so after "... 0" the lookup proposes
+# 1 2 3 0 and 1 3 ...: a two-branch tree the target accepts often.
+V, ORDER = 5, 2
+HISTORY = [0, 1, 2, 3, 0, 1, 3, 4, 0, 1, 2, 3, 0]
+
+
+def motif_target(seed: int = 3) -> NGramTable:
+    """A bigram target that mostly follows 0 -> 1 -> 2 -> 3 -> 0, with mass everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, V, generator=g, dtype=torch.float64)
+    for a, b in ((0, 1), (1, 2), (2, 3), (3, 0), (1, 3)):
+        logits[a, b] += 2.5
+    return NGramTable(logits)
+
+
+def lookup_step_law(table, history, cfg, sampling, n_nodes):
+    """Exact law of one engine step with the lookup tree of ``history``, and the tree."""
+    cands = candidates(LookupIndex(history), LookupStats(), cfg.depth, 4)
+    assert len(cands) >= 3, "the motif must give lookup branches"
+    hist = torch.tensor([history[-(ORDER - 1) :]], dtype=torch.int32)
+    dt = lookup_tree(cands, hist[:, -1], torch.zeros(1, dtype=torch.int32), n_nodes, cfg.depth)
+    logits, _ = NGramTarget(table, hist).forward_tree(dt.tree)
+    return step_law(dt, logits, cfg.method, sampling), dt
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)]
+)
+def test_lookup_tree_step_is_exact(method, sampling):
+    table = motif_target()
+    cfg = TreeConfig(method, topk=4, depth=4, total_tokens=8)
+    law, dt = lookup_step_law(table, HISTORY, cfg, sampling, n_nodes=6)
+    assert dt.tree.tokens.shape[1] == 6
+    J = 3
+    got = law_of_next_tokens(law, table, HISTORY, J, sampling)
+    want = target_law(table, HISTORY, J, sampling)
+    assert float((got - want).abs().max()) < 1e-12
+    accepted = sum(p for seq, p in law.items() if len(seq) > 1)
+    assert accepted > 0.3, f"lookup nodes are rarely accepted ({accepted:.2f}): weak test"
+
+
+def test_redrawing_a_rejected_tree_is_detected():
+    """Negative control: a step that, when every lookup node is rejected, throws the verifier's
+    residual token away and draws a fresh plain token (a choice made after this step's coins)
+    biases the law."""
+    table = motif_target()
+    sampling = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig("rheo", topk=4, depth=4, total_tokens=8)
+    law, _ = lookup_step_law(table, HISTORY, cfg, sampling, n_nodes=6)
+    rejected = sum(p for seq, p in law.items() if len(seq) == 1)
+    p_root = torch.softmax(table(torch.tensor(HISTORY[-1:])).double(), -1)
+    biased = {seq: p for seq, p in law.items() if len(seq) > 1}
+    for v in range(V):
+        biased[(v,)] = rejected * float(p_root[v])
+    got = law_of_next_tokens(biased, table, HISTORY, 2, sampling)
+    want = target_law(table, HISTORY, 2, sampling)
+    assert float((got - want).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_lookup_equals_argmax(method):
+    """T = 0: steps with lookup trees emit the target's argmax chain, token for token, and the
+    lookup drafts are accepted."""
+    table = motif_target()
+    hist = list(HISTORY)
+    want = list(hist)
+    for _ in range(24):
+        want.append(int(table(torch.tensor(want[-1:])).argmax()))
+    sampling = SamplingConfig(temperature=0)
+    cfg = TreeConfig(method, topk=4, depth=4, total_tokens=8)
+    stats, index, out, accepted = LookupStats(), LookupIndex(hist), [], 0
+    step = 0
+    while len(out) < 24:
+        cands = candidates(index, stats, cfg.depth, 4)
+        h = torch.tensor([index.tokens[-(ORDER - 1) :]], dtype=torch.int32)
+        target = NGramTarget(table, h)
+        if len(cands):
+            dt = lookup_tree(cands, h[:, -1], torch.zeros(1, dtype=torch.int32),
+                             min(6, len(cands) + 1), cfg.depth)  # fmt: skip
+            result = speculative_step(target, None, h[:, -1], torch.zeros(1, dtype=torch.int32),
+                                      cfg, Draw(method, sampling, 0, step), drafted=dt)  # fmt: skip
+            stats.observe(step_events(cands, dt.tree, result.outcome.accept_path[0],
+                                      result.outcome.accept_len[0]))  # fmt: skip
+        else:
+            result = speculative_step(target, None, h[:, -1], torch.zeros(1, dtype=torch.int32),
+                                      TreeConfig("ar"), Draw("ar", sampling, 0, step))  # fmt: skip
+        emitted = result.emitted[0]
+        accepted += len(emitted) - 1
+        out.extend(emitted)
+        index.extend(emitted)
+        step += 1
+    assert out[:24] == want[len(hist) :]
+    assert accepted >= 6, f"lookup drafts accepted {accepted} times: weak test"
+
+
+# --- 4. Monte Carlo through the compiled kernels ------------------------------------------------
+
+MC_RUNS = 60_000
+
+
+def mc_counts(table, sampling, method, runs, seed):
+    """Counts of the first 3 tokens: one step with the history's lookup tree (every run the
+    same tree: the same history), then plain target steps."""
+    cfg = TreeConfig(method, topk=4, depth=3, total_tokens=6)
+    cands = candidates(LookupIndex(HISTORY), LookupStats(), cfg.depth, 4)
+    hist = torch.tensor([HISTORY[-1:]] * runs, dtype=torch.int32)
+    one = lookup_tree(cands, hist[:1, -1], torch.zeros(1, dtype=torch.int32), 6, cfg.depth)
+    t = one.tree
+    tree = kernels.Tree(**{name: getattr(t, name).expand(runs, *getattr(t, name).shape[1:])
+                           .contiguous() for name in t.__dataclass_fields__})  # fmt: skip
+    dt = type(one)(tree, one.q_tilde_ids, one.q_tilde)
+    prefix = torch.zeros(runs, dtype=torch.int32)
+    target = NGramTarget(table, hist)
+    first = speculative_step(target, None, hist[:, -1], prefix, cfg,
+                             Draw(method, sampling, seed, 0), drafted=dt)  # fmt: skip
+    seqs = [e[:3] for e in first.emitted]
+    roots = first.verdict.bonus_token
+    step = 1
+    while min(len(s) for s in seqs) < 3:
+        res = speculative_step(target, None, roots, prefix, TreeConfig("ar"),
+                               Draw("ar", sampling, seed, step))  # fmt: skip
+        for s, e in zip(seqs, res.emitted, strict=True):
+            if len(s) < 3:
+                s.extend(e)
+        roots, step = res.verdict.bonus_token, step + 1
+    flat = torch.tensor([s[0] * V * V + s[1] * V + s[2] for s in seqs])
+    accepted = sum(len(e) > 1 for e in first.emitted) / runs
+    return torch.bincount(flat, minlength=V**3).double().view(V, V, V), accepted
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)]
+)
+def test_monte_carlo_lookup_tree(sampling):
+    table = motif_target()
+    counts, accepted = mc_counts(table, sampling, "rheo", MC_RUNS, seed=11)
+    assert accepted > 0.3, f"lookup accepted in {accepted:.0%} of runs: weak test"
+    _, p_value = g_test(counts, target_law(table, HISTORY, 3, sampling))
+    assert p_value > 1e-4, p_value
+    # Negative control: the same counts against another temperature's law are rejected.
+    wrong = SamplingConfig(temperature=0.85 * sampling.temperature, top_p=sampling.top_p)
+    _, p_wrong = g_test(counts, target_law(table, HISTORY, 3, wrong))
+    assert p_wrong < 1e-6, p_wrong
+
+
+# --- 5. the policy ------------------------------------------------------------------------------
+
+
+def flat_costs(per_row: float = 0.02) -> StepCosts:
+    return StepCosts("toy", {n: 1.0 + per_row * (n - 1) for n in (1, 2, 4, 8, 16, 32)})
+
+
+def test_no_match_is_a_plain_step():
+    assert choose_nodes(Candidates([], [], [], [], []), flat_costs(), 100, 100, 60) == (1, 0)
+
+
+def test_evidence_drives_the_size():
+    index = LookupIndex([0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2])
+    good, bad = LookupStats(), LookupStats()
+    for _ in range(30):
+        good.observe([(3, d, True) for d in range(1, 7)])
+        bad.observe([(3, 1, False)])
+    n_good, _ = choose_nodes(candidates(index, good, 8, 4), flat_costs(), 100, 100, 60)
+    n_bad, _ = choose_nodes(candidates(index, bad, 8, 4), flat_costs(), 100, 100, 60)
+    assert n_good >= 7 and n_bad == 1
+    # an expensive machine: rows cost as much as a step, nothing pays
+    n_costly, _ = choose_nodes(candidates(index, good, 8, 4), flat_costs(1.0), 100, 100, 60)
+    assert n_costly == 1
+    # room and tokens still wanted bound the tree
+    n, depth = choose_nodes(candidates(index, good, 8, 4), flat_costs(), 4, 100, 60)
+    assert n == 4
+    n, depth = choose_nodes(candidates(index, good, 8, 4), flat_costs(), 100, 3, 60)
+    assert depth <= 2
+
+
+def test_costs_are_monotone():
+    assert monotone({1: 1.0, 2: 0.9, 4: 1.2, 8: 1.1}) == {1: 1.0, 2: 1.0, 4: 1.2, 8: 1.2}
+    c = StepCosts("toy", {1: 1.0, 4: 1.3, 8: 2.0})
+    assert c.cost(2) == pytest.approx(1.1) and c.cost(16) == pytest.approx(3.4)
+    assert math.isclose(c.cost(8), 2.0)
+
+
+def test_events_of_a_step():
+    index = LookupIndex([0, 1, 2, 3, 0, 1, 2, 3, 0])
+    cands = candidates(index, LookupStats(), 3, 4)
+    dt = lookup_tree(cands, torch.tensor([0]), torch.tensor([0]), 4, 3)
+    tree = dt.tree
+    verdict = kernels.Verdict(torch.tensor([[0, 1, 2, -1]], dtype=torch.int32),
+                              torch.tensor([3], dtype=torch.int32),
+                              torch.tensor([4], dtype=torch.int32))  # fmt: skip
+    out = read_outcome(tree, verdict)
+    events = step_events(cands, tree, out.accept_path[0], out.accept_len[0])
+    assert [(d, held) for _, d, held in events] == [(1, True), (2, True), (3, False)]
