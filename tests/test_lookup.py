@@ -266,6 +266,14 @@ def flat_costs(per_row: float = 0.02) -> StepCosts:
 
 def test_no_match_is_a_plain_step():
     assert choose_nodes(Candidates([], [], [], [], []), flat_costs(), 100, 100, 60) == (1, 0)
+    assert choose_nodes(Candidates([], [], [], [], []), None, 100, 100, 60) == (1, 0)
+
+
+def test_fixed_takes_every_candidate_within_bounds():
+    index = LookupIndex([0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 1])
+    cands = candidates(index, LookupStats(), 8, 4)
+    assert choose_nodes(cands, None, 100, 100, 60)[0] == len(cands) + 1
+    assert choose_nodes(cands, None, 100, 100, 3) == (3, 2)
 
 
 def test_evidence_drives_the_size():
@@ -305,3 +313,71 @@ def test_events_of_a_step():
     out = read_outcome(tree, verdict)
     events = step_events(cands, tree, out.accept_path[0], out.accept_len[0])
     assert [(d, held) for _, d, held in events] == [(1, True), (2, True), (3, False)]
+
+
+# --- 6. the engine: any target speculates, greedy is greedy ------------------------------------
+
+ECHO = (
+    "Repeat this list exactly, twice: apple, banana, cherry, damson, elderberry, fig, grape, "
+    "honeydew, kiwi, lemon, mango."
+)
+
+
+@pytest.fixture(scope="module")
+def target_only():
+    """The default pair's target in fp32 with no head: lookup is its only draft source."""
+    from rheo_engine.runtime.engine import DEFAULT_PAIR, Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(DEFAULT_PAIR / "target", None, dtype=torch.float32)
+    torch.set_num_threads(threads)
+
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_engine_without_head_drafts_from_the_context_and_is_greedy(target_only, method):
+    want = target_only.generate(CODE, 48, method="ar", temperature=0)
+    gen = target_only.generate(CODE, 48, method=method, temperature=0, seed=0, tree="fixed",
+                               total_tokens=8)  # fmt: skip
+    assert gen.drafts == "lookup"
+    assert gen.token_ids == want.token_ids
+    assert gen.accepted.get("lookup", 0) > 0, "no lookup draft accepted: weak test"
+    assert gen.mean_accept_length > 1
+
+
+def test_engine_without_head_samples_with_lookup(target_only):
+    gen = target_only.generate(CODE, 48, temperature=1.0, seed=3)
+    assert gen.method == "rheo" and gen.drafts == "lookup" and len(gen.token_ids) > 0
+
+
+def test_draft_source_errors(target_only):
+    with pytest.raises(ValueError, match=r"drafts='head' needs a draft head.*drafts='lookup'"):
+        target_only.generate(CODE, 8, drafts="head")
+    with pytest.raises(ValueError, match=r"drafts='trie' is not one of \['head', 'lookup'\]"):
+        target_only.generate(CODE, 8, drafts="trie")
+
+
+def test_smollm2_lookup_is_greedy_and_accepted():
+    """The real pair (fp32): lookup drafts on a copy-heavy chat give ar's tokens exactly."""
+    from rheo_engine.runtime.engine import Engine
+    from rheo_engine.runtime.pairs import resolve_pair
+
+    try:
+        resolve_pair("smollm2")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine.from_pretrained(pair="smollm2", dtype=torch.float32)
+        chat = [{"role": "user", "content": ECHO}]
+        want = engine.generate(chat, 40, method="ar", temperature=0)
+        gen = engine.generate(chat, 40, temperature=0, drafts="lookup", tree="fixed",
+                              total_tokens=8)  # fmt: skip
+        assert gen.token_ids == want.token_ids
+        assert gen.accepted.get("lookup", 0) > 0
+    finally:
+        torch.set_num_threads(threads)

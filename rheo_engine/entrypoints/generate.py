@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from rheo_engine.config import METHODS
 from rheo_engine.runtime.engine import TREES, Engine, Generation, Request
+from rheo_engine.runtime.request import DRAFTS
 from rheo_engine.runtime.pairs import PAIRS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +51,7 @@ API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method",
                "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
                "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
                "chat", "chat_template", "tree", "cost_profile", "pair", "threads",
-               "tensor_parallel", "tp_check")  # fmt: skip
+               "tensor_parallel", "tp_check", "drafts")  # fmt: skip
 _SWITCHES = ("chat", "ignore_eos", "logprobs", "tp_check")  # flags without a value (store_true)
 _NEVER = "(?!)"  # a pattern that matches nothing
 
@@ -210,6 +211,12 @@ def parser() -> argparse.ArgumentParser:
         help="the auto tree's measured costs as JSON: read if PATH exists, else measured and "
         "written there (a seeded run reproduces with the same profile)",
     )  # fmt: skip
+    p.add_argument(
+        "--drafts", choices=DRAFTS, default=None,
+        help="where drafts come from: head (the EAGLE-3 head; the default when one is loaded) "
+        "or lookup (prompt lookup: continuations of the context's last n-gram; the default "
+        "with no head, so any target speculates)",
+    )  # fmt: skip
     p.add_argument("--leads", type=int, default=1, help="m, deterministic leads per pool")
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
@@ -262,7 +269,7 @@ def _options(args: argparse.Namespace) -> dict:
         leads=args.leads, support=args.support, chat=args.chat or _pair_chats(args.pair),
         chat_template=args.chat_template,
         tree=args.tree,
-        cost_profile=args.cost_profile,
+        cost_profile=args.cost_profile, drafts=args.drafts,
     )  # fmt: skip
 
 
@@ -329,6 +336,7 @@ def stats_line(gen: Generation, threads: int) -> str:
     return (
         f"[{gen.method}] {len(gen.token_ids)} tokens in {gen.steps} steps, "
         f"tau {gen.mean_accept_length:.2f}, {gen.tokens_per_s:.1f} tokens/s, seed {gen.seed}, "
+        f"{accepted_summary(gen)}"
         f"threads {threads} (draft {t.draft_s:.2f}s, head {t.head_s:.2f}s, target "
         f"{t.target_s:.2f}s, verify {t.verify_s:.2f}s, commit {t.commit_s:.2f}s; "
         f"stop: {gen.stop_reason}); {gen.tree} trees {gen.trees.histogram()}"
@@ -340,6 +348,13 @@ def stats_line(gen: Generation, threads: int) -> str:
         + _predicted(gen)
         + f"; {sampling_summary(gen)}"
     )
+
+
+def accepted_summary(gen: Generation) -> str:
+    """'drafts lookup: 41 accepted, ' (nothing for a run that never drafted)."""
+    if gen.method == "ar":
+        return ""
+    return f"drafts {gen.drafts}: {sum(gen.accepted.values())} accepted, "
 
 
 _SHORT = {"temperature": "T", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -385,7 +400,8 @@ def as_json(gen: Generation, prompt: str, threads: int) -> dict:
         "step_measured_s": gen.trees.measured_s, "step_predicted_s": gen.trees.predicted_s,
         "stop_string": gen.stop_string,
         "sampling": {f.name: getattr(gen.sampling, f.name) for f in fields(gen.sampling)},
-        "sampling_sources": gen.sampling_sources,
+        "sampling_sources": gen.sampling_sources, "drafts": gen.drafts,
+        "accepted": gen.accepted,
         **({} if gen.logprobs is None else {"logprobs": [
             {"token": lp.token, "logprob": lp.logprob,
              "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.top]}

@@ -3,7 +3,7 @@
 /v1/completions and /v1/chat/completions. rheo_engine.entrypoints.serve puts them on HTTP.
 
 Field names are OpenAI's, then vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens), then the engine's own (method, tree, topk, depth, total_tokens). Each field is
+min_tokens), then the engine's own (method, tree, topk, depth, total_tokens, drafts). Each field is
 checked for its JSON type here; Request checks the values, and its message becomes the API's
 error (``engine_error``) in the request's own spelling: the field the client sent
 (max_tokens, not max_new_tokens) with JSON values (null, true), and that field as ``param``.
@@ -37,7 +37,7 @@ _COMMON = {
     "repetition_penalty": ("number", "repetition_penalty"), "ignore_eos": ("bool", "ignore_eos"),
     "min_tokens": ("int", "min_new_tokens"), "method": ("str", "method"),
     "tree": ("str", "tree"), "topk": ("int", "topk"), "depth": ("int", "depth"),
-    "total_tokens": ("int", "total_tokens"),
+    "total_tokens": ("int", "total_tokens"), "drafts": ("str", "drafts"),
 }  # fmt: skip
 _COMPLETION = {
     "prompt": ("any", None), "logprobs": ("int", None), "echo": ("bool", None),

@@ -81,7 +81,7 @@ class TreeGroup:
     """What decides a request's trees: requests of one group can share a step's tree shape."""
 
     drafts: bool  # False: every step is the root alone (ar, total_tokens=1, one new token)
-    source: str  # draft source: "head", "lookup" (prompt lookup, spec.lookup) or "both"
+    source: str  # draft source: "head" or "lookup" (prompt lookup, spec.lookup)
     tree: str  # "auto" or "fixed"
     topk: int
     depth: int
@@ -103,7 +103,7 @@ class SeqState:
     step: int = 0
     emitted: int = 0  # tokens the steps emitted so far (before the request's own cut)
     stop: str | None = None  # why it ended (None while it runs)
-    # Prompt lookup (drafts "lookup"/"both"): the n-gram index of prompt + emitted tokens, the
+    # Prompt lookup (drafts "lookup"): the n-gram index of prompt + emitted tokens, the
     # sequence's evidence of how far its lookup drafts hold, and this step's candidates.
     lookup: LookupIndex | None = None
     lookup_stats: LookupStats | None = None
@@ -264,7 +264,7 @@ class BatchDecoder:
                 f"max_new_tokens {request.max_new_tokens}) but a batch slot holds max_len="
                 f"{self.max_len}; lower max_new_tokens or make the scheduler with a larger max_len"
             )
-        if request.drafts and self.drafter is None:
+        if request.drafts and request.draft_source == "head" and self.drafter is None:
             raise ValueError(
                 f"method={request.tree_cfg.method!r} drafts but this decoder has no draft head"
             )
@@ -297,7 +297,7 @@ class BatchDecoder:
                           cfg.total_tokens, cfg.leads, cfg.support, profile)  # fmt: skip
         request.prefill_s = time.perf_counter() - start
         seq = SeqState(request, slot, root, group, min(request.context, self.max_len))
-        if drafts and source != "head":
+        if drafts and source == "lookup":
             seq.lookup, seq.lookup_stats = LookupIndex(request.prompt_ids), LookupStats()
         self.running.append(seq)
         return seq
@@ -441,9 +441,11 @@ class BatchDecoder:
 
     def _plan_lookup(self, seqs: list[SeqState], room, wanted):
         """Prompt lookup's step: per sequence its own tree of lookup candidates, as many nodes
-        as its evidence and the measured step costs pay for (lookup_policy.choose_nodes); the
-        sequences with no tree that pays take one plain step together."""
-        costs = self._lookup_costs(seqs[0])
+        as its evidence and the measured step costs pay for (lookup_policy.choose_nodes), or
+        with tree="fixed" every candidate up to total_tokens; the sequences with no tree (no
+        match, or none that pays) take one plain step together."""
+        fixed = seqs[0].group.tree == "fixed"
+        costs = None if fixed else self._lookup_costs(seqs[0])
         plain, parts = [], []
         for s in seqs:
             cfg = s.request.tree_cfg

@@ -66,8 +66,8 @@ def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
                   budget_s: float = 4.0) -> StepCosts:  # fmt: skip
     """Time ``run_step(n)`` (one target forward over n rows plus its verification, nothing
     committed) at SIZES <= max_nodes: rounds over all sizes, interleaved, until ``repeats``
-    rounds or ``budget_s`` seconds (at least 2 rounds), then the median per size, fit
-    monotone."""
+    rounds or ``budget_s`` seconds (at least 2 rounds), then the fastest per size, fit
+    monotone; ``spread`` is the worst median / fastest."""
     start = time.perf_counter()
     sizes = [n for n in SIZES if n <= max(1, max_nodes)]
     run_step(sizes[-1])  # warm-up: allocations, caches
@@ -79,9 +79,11 @@ def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
             run_step(n)
             times[n].append(time.perf_counter() - t0)
         rounds += 1
-    medians = {n: statistics.median(ts) for n, ts in times.items()}
-    spread = max(max(ts) / min(ts) for ts in times.values())
-    return StepCosts(key, monotone(medians), spread, time.perf_counter() - start)
+    # The fastest repeat: a neighbour's load only ever adds time, and it adds it unevenly
+    # across sizes (a loaded repeat at n = 1 made every tree look cheap, DESIGN §2.7).
+    fastest = {n: min(ts) for n, ts in times.items()}
+    spread = max(statistics.median(ts) / min(ts) for ts in times.values())
+    return StepCosts(key, monotone(fastest), spread, time.perf_counter() - start)
 
 
 def cached_costs(key: str) -> StepCosts | None:
@@ -111,16 +113,19 @@ def costs_key(target_cfg, device: torch.device, dtype: torch.dtype, tensor_paral
     )
 
 
-def choose_nodes(cands: Candidates, costs: StepCosts, room: int, wanted: int,
+def choose_nodes(cands: Candidates, costs: StepCosts | None, room: int, wanted: int,
                  max_nodes: int) -> tuple[int, int]:  # fmt: skip
     """(N, depth) of the step: the N <= min(room, max_nodes) maximising (1 + E[accepted]) /
     cost(N) over the candidates no deeper than wanted - 1; (1, 0), a plain step, when no tree
-    beats a plain step by MARGIN."""
+    beats a plain step by MARGIN. ``costs`` None (tree="fixed"): every usable candidate, up to
+    that bound."""
     depth_cap = wanted - 1
     usable = [i for i in cands.ranked() if cands.depth[i] <= depth_cap]
     limit = min(room, max_nodes, len(usable) + 1)
     if limit < 2:
         return 1, 0
+    if costs is None:
+        return limit, max(cands.depth[i] for i in usable[: limit - 1])
     plain = 1.0 / costs.cost(1)
     best_rate, best_n, gained = plain * MARGIN, 1, 0.0
     for n in range(2, limit + 1):
