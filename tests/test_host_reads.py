@@ -59,7 +59,8 @@ class Counted:
     where: list[list[str]] = field(default_factory=list)
 
 
-def count_reads(engine, monkeypatch, new_tokens: int = 20, **options) -> Counted:
+def count_reads(engine, monkeypatch, new_tokens: int = 20, prompt: str = PROMPT,
+                **options) -> Counted:  # fmt: skip
     counter, marks = OpCounter(), []
     real_step = batch_module.speculative_step
 
@@ -68,7 +69,7 @@ def count_reads(engine, monkeypatch, new_tokens: int = 20, **options) -> Counted
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(batch_module, "speculative_step", marked_step)
-    request = engine.request(PROMPT, new_tokens, seed=0, **options)
+    request = engine.request(prompt, new_tokens, seed=0, **options)
     with torch.no_grad(), counter:
         for _ in request:
             pass
@@ -96,10 +97,29 @@ def assert_per_step(counted: Counted, reads: int = 1, uploads: int = 0) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_one_host_read_per_decode_step(default_engine, monkeypatch, method, T):
     """A fixed tree drafts every step (but the last ones, near max_new_tokens); ar's are plain."""
+    head = {} if method == "ar" else {"drafts": "head"}
     counted = count_reads(
-        default_engine, monkeypatch, method=method, temperature=T, tree="fixed", **SMALL_TREE
+        default_engine, monkeypatch, method=method, temperature=T, tree="fixed", **SMALL_TREE,
+        **head,
     )
     assert_per_step(counted)
+
+
+LOOKUP_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef"
+
+
+@pytest.mark.parametrize("T", [0.0, 1.0])
+@pytest.mark.parametrize("drafts", ["lookup", "both"])
+def test_lookup_steps_read_once_and_upload_their_candidates(default_engine, monkeypatch,
+                                                            drafts, T):  # fmt: skip
+    """Lookup drafts come from the host (the emitted tokens the last read brought): a step
+    with lookup candidates uploads them once, merged into the head's tree on the device, and
+    still reads once (the verdict, with the tree's parents and each node's lookup candidate)."""
+    counted = count_reads(default_engine, monkeypatch, 24, LOOKUP_PROMPT, method="rheo", temperature=T,
+                          tree="fixed", drafts=drafts, **SMALL_TREE)  # fmt: skip
+    steps = counted.per_step
+    assert steps == [1] * len(steps), counted.where[:2]
+    assert set(counted.uploads) <= {0, 1} and 1 in counted.uploads, counted.uploads
 
 
 @pytest.mark.parametrize("method", ["ar", "rheo"])
@@ -108,12 +128,13 @@ def test_history_controls_read_once_and_upload_once(default_engine, monkeypatch,
     the previous step's read told the host the emitted tokens) and still reads once; min_p
     and the other history-free controls change nothing."""
     controls = dict(repetition_penalty=1.3, frequency_penalty=0.2, min_new_tokens=12)
+    head = {} if method == "ar" else {"drafts": "head"}
     counted = count_reads(default_engine, monkeypatch, 24, method=method, temperature=1.0,
-                          tree="fixed", **SMALL_TREE, **controls)  # fmt: skip
+                          tree="fixed", **SMALL_TREE, **controls, **head)  # fmt: skip
     assert_per_step(counted, uploads=1)
     counted = count_reads(default_engine, monkeypatch, method=method, temperature=1.0,
                           tree="fixed", min_p=0.05, top_k=20, ignore_eos=True,
-                          **SMALL_TREE)  # fmt: skip
+                          **SMALL_TREE, **head)  # fmt: skip
     assert_per_step(counted)
 
 
@@ -131,7 +152,8 @@ def test_one_host_read_per_auto_step(default_engine, monkeypatch, method, T):
     """tree="auto" picks each tree from the outcomes it observed: from the one read too."""
     profile = cheap_trees(default_engine, method, T)
     counted = count_reads(default_engine, monkeypatch, method=method, temperature=T,
-                          tree="auto", cost_profile=profile, **SMALL_TREE)  # fmt: skip
+                          tree="auto", cost_profile=profile, drafts="head",
+                          **SMALL_TREE)  # fmt: skip
     assert_per_step(counted)
     assert sum(counted.per_step) == len(counted.per_step)
 
@@ -168,7 +190,7 @@ def test_the_counter_sees_an_added_read(default_engine, monkeypatch, kind):
 
     monkeypatch.setattr(loop_module, "verify_tree", verify_and_read)
     counted = count_reads(default_engine, monkeypatch, new_tokens=12, method="rheo",
-                          temperature=1.0, tree="fixed", **SMALL_TREE)  # fmt: skip
+                          temperature=1.0, tree="fixed", drafts="head", **SMALL_TREE)  # fmt: skip
     assert_per_step(counted, reads=2)
 
 

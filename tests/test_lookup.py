@@ -35,7 +35,7 @@ from rheo_engine.spec.lookup import (
     step_events,
 )
 from rheo_engine.spec.step import Draw, speculative_step
-from rheo_engine.spec.verify import read_outcome
+from rheo_engine.spec.verify import read_outcome, verify_law
 
 METHODS = ("topk", "rrsw", "rheo")
 
@@ -193,8 +193,7 @@ def test_greedy_lookup_equals_argmax(method):
                              min(6, len(cands) + 1), cfg.depth)  # fmt: skip
             result = speculative_step(target, None, h[:, -1], torch.zeros(1, dtype=torch.int32),
                                       cfg, Draw(method, sampling, 0, step), drafted=dt)  # fmt: skip
-            stats.observe(step_events(cands, dt.tree, result.outcome.accept_path[0],
-                                      result.outcome.accept_len[0]))  # fmt: skip
+            stats.observe(step_events(cands, result.outcome))
         else:
             result = speculative_step(target, None, h[:, -1], torch.zeros(1, dtype=torch.int32),
                                       TreeConfig("ar"), Draw("ar", sampling, 0, step))  # fmt: skip
@@ -306,12 +305,12 @@ def test_events_of_a_step():
     index = LookupIndex([0, 1, 2, 3, 0, 1, 2, 3, 0])
     cands = candidates(index, LookupStats(), 3, 4)
     dt = lookup_tree(cands, torch.tensor([0]), torch.tensor([0]), 4, 3)
-    tree = dt.tree
     verdict = kernels.Verdict(torch.tensor([[0, 1, 2, -1]], dtype=torch.int32),
                               torch.tensor([3], dtype=torch.int32),
                               torch.tensor([4], dtype=torch.int32))  # fmt: skip
-    out = read_outcome(tree, verdict)
-    events = step_events(cands, tree, out.accept_path[0], out.accept_len[0])
+    out = read_outcome(dt.tree, verdict, None, dt.node_lookup)
+    assert out.parents == [[-1, 0, 1, 2]] and out.node_lookup == [[-1, 0, 1, 2]]
+    events = step_events(cands, out)
     assert [(d, held) for _, d, held in events] == [(1, True), (2, True), (3, False)]
 
 
@@ -356,7 +355,7 @@ def test_engine_without_head_samples_with_lookup(target_only):
 def test_draft_source_errors(target_only):
     with pytest.raises(ValueError, match=r"drafts='head' needs a draft head.*drafts='lookup'"):
         target_only.generate(CODE, 8, drafts="head")
-    with pytest.raises(ValueError, match=r"drafts='trie' is not one of \['head', 'lookup'\]"):
+    with pytest.raises(ValueError, match=r"drafts='trie' is not one of \['head', 'lookup', 'both'\]"):
         target_only.generate(CODE, 8, drafts="trie")
 
 
@@ -381,3 +380,135 @@ def test_smollm2_lookup_is_greedy_and_accepted():
         assert gen.accepted.get("lookup", 0) > 0
     finally:
         torch.set_num_threads(threads)
+
+
+# --- 7. merged with the head's tree (drafts="both") --------------------------------------------
+
+
+def both_step_law(table, drafter_table, history, cfg, sampling):
+    """Exact law of one step whose tree merges the head's candidates (every sampled token
+    enumerated) with the history's lookup candidates; and how much of it lookup nodes carry."""
+    from test_lossless import enumerate_drafts
+
+    from rheo_engine.models.ngram import NGramDraft
+    from rheo_engine.spec.draft import draft_tree
+    from rheo_engine.spec.lookup import Merger
+
+    cands = candidates(LookupIndex(history), LookupStats(), cfg.depth + 1, 4)
+    hist = torch.tensor([history[-(ORDER - 1) :]], dtype=torch.int32)
+
+    def build(forced):
+        return draft_tree(
+            NGramDraft(drafter_table, hist), hist[:, -1], torch.zeros(1, dtype=torch.int32), cfg,
+            sampling.temperature, 0, 0, forced=forced, merge=Merger([cands]),
+        )  # fmt: skip
+
+    law, via_lookup, sampled_dup = {}, 0.0, 0
+    for weight, dt in enumerate_drafts(cfg, sampling.temperature, build):
+        logits, _ = NGramTarget(table, hist).forward_tree(dt.tree)
+        flat = dt.tree.cand_index[0].tolist()
+        lookup_only = [i for i, f in enumerate(flat) if f >= dt.head_candidates]
+        accept_prob, _ = verify_law(logits, dt, cfg.method, sampling)
+        via_lookup += weight * sum(float(accept_prob[0, i]) for i in lookup_only)
+        for seq, p in step_law(dt, logits, cfg.method, sampling).items():
+            law[seq] = law.get(seq, 0.0) + weight * p
+    return law, via_lookup
+
+
+BOTH_CFG = dict(topk=2, depth=2, total_tokens=6, leads=1, support=5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)]
+)
+def test_merged_tree_step_is_exact(method, sampling):
+    table = motif_target()
+    drafter_table = NGramTable.random(V, ORDER, seed=8, scale=1.0)
+    cfg = TreeConfig(method, **BOTH_CFG)
+    law, via_lookup = both_step_law(table, drafter_table, HISTORY, cfg, sampling)
+    got = law_of_next_tokens(law, table, HISTORY, 3, sampling)
+    want = target_law(table, HISTORY, 3, sampling)
+    assert float((got - want).abs().max()) < 1e-12
+    assert via_lookup > 0.05, f"lookup-only nodes accepted with probability {via_lookup:.3f}"
+
+
+def test_joining_sampled_children_is_detected(monkeypatch):
+    """Negative control: letting a lookup token join a sampled child (its rank then depends on
+    its own token) biases the law."""
+    import rheo_engine.spec.lookup as lookup_module
+
+    monkeypatch.setattr(lookup_module, "JOIN_SAMPLED", True)
+    table = motif_target()
+    drafter_table = NGramTable.random(V, ORDER, seed=8, scale=1.0)
+    worst = 0.0
+    for total in (2, 3, 4):
+        cfg = TreeConfig("rheo", **dict(BOTH_CFG, total_tokens=total))
+        sampling = SamplingConfig(temperature=1.0)
+        law, _ = both_step_law(table, drafter_table, HISTORY, cfg, sampling)
+        got = law_of_next_tokens(law, table, HISTORY, 3, sampling)
+        worst = max(worst, float((got - target_law(table, HISTORY, 3, sampling)).abs().max()))
+    assert worst > 1e-6, worst
+
+
+def test_merge_joins_deterministic_children_and_appends_the_rest():
+    from rheo_engine.spec.lookup import merge
+
+    # head: root children 7 (lead), 9 (sampled), 3 (fill); 7's children 1, 2
+    scores = [-0.1, -0.5, -0.9, -0.3, -1.0]
+    tokens = [7, 9, 3, 1, 2]
+    parents = [-1, -1, -1, 0, 0]
+    sampled = [-1, 0, -1, -1, -1]
+    # lookup: 7 -> 1 -> 5 and 9 -> 4
+    cands = Candidates([7, 9, 1, 4, 5], [-1, -1, 0, 1, 2], [1, 1, 2, 2, 3], [3] * 5,
+                       [-0.05, -0.2, -0.2, -0.4, -0.6])  # fmt: skip
+    m = merge(scores, tokens, parents, sampled, cands)
+    assert m.scores[0] == -0.05 and m.scores[3] == -0.2  # joined and raised
+    assert m.scores[1] == -0.5  # the sampled child keeps its proxy score
+    assert m.tokens[5:] == [9, 4, 5] and m.parents[5:] == [-1, 5, 3]  # 9 stays apart
+    assert m.lookup_of == {0: 0, 5: 1, 3: 2, 6: 3, 7: 4}
+    for i, p in enumerate(m.parents):
+        assert p < i and (p < 0 or m.scores[i] <= m.scores[p])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_merge_equals_the_host_merge(seed):
+    """Merger (tensors, fixed shapes, no read) keeps the same tree as merge (lists)."""
+    from rheo_engine.spec.lookup import Merger, merge
+
+    g = torch.Generator().manual_seed(seed)
+    V_, L = 6, 14
+    # a head's candidates: 3 root children (slot 1 sampled), then children of nodes 0 and 2
+    parents = [-1, -1, -1, 0, 0, 0, 2, 2, 2, 3, 3, 3, 6, 6]
+    sampled = [-1, 0, -1, -1, 1, -1, -1, -1, -1, -1, -1, -1, -1, -1]
+    tokens = torch.randint(0, V_, (L,), generator=g).tolist()
+    scores = []
+    for i, p in enumerate(parents):
+        scores.append((0.0 if p < 0 else scores[p]) - float(torch.rand(1, generator=g)) - 0.01)
+    history = torch.randint(0, V_, (40,), generator=g).tolist()
+    cands = candidates(LookupIndex(history), LookupStats(), 4, 4)
+    host = merge(scores, tokens, parents, sampled, cands)
+    rows = [torch.tensor([x]) for x in (scores, tokens, parents, sampled)]
+    rows[0] = rows[0].float()
+    rows[1:] = [r.to(torch.int32) for r in rows[1:]]
+    (m_scores, m_tokens, m_parents, _), lookup_of, _ = Merger([cands])(rows, torch.tensor([0]))
+    n = len(host.tokens)
+    total = min(n, L) + 1
+    want = kernels.build_tree(torch.tensor([host.scores]), torch.tensor([host.tokens], dtype=torch.int32),
+                              torch.tensor([host.parents], dtype=torch.int32),
+                              torch.tensor([host.sampled], dtype=torch.int32),
+                              torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                              total, 8)  # fmt: skip
+    got = kernels.build_tree(m_scores, m_tokens, m_parents, rows[3].new_full(m_tokens.shape, -1)
+                             .index_put_((torch.tensor([0] * L), torch.arange(L)), rows[3][0]),
+                             torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                             total, 8)  # fmt: skip
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.parents.tolist() == want.parents.tolist()
+    assert got.sampled_row.tolist() == want.sampled_row.tolist()
+    carried = {}
+    for flat in got.cand_index[0, 1:].tolist():
+        if lookup_of[0, flat] >= 0:
+            carried[int(lookup_of[0, flat])] = True
+    want_carried = {host.lookup_of[f] for f in want.cand_index[0, 1:].tolist() if f in host.lookup_of}
+    assert set(carried) == want_carried

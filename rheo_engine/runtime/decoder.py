@@ -45,6 +45,7 @@ from rheo_engine.runtime.lookup_policy import (
     cached_costs,
     choose_nodes,
     costs_key,
+    extra_nodes,
     keep_costs,
     measure_costs,
 )
@@ -66,6 +67,7 @@ from rheo_engine.spec.lookup import (
     Candidates,
     LookupIndex,
     LookupStats,
+    Merger,
     candidates,
     lookup_tree,
     step_events,
@@ -81,7 +83,7 @@ class TreeGroup:
     """What decides a request's trees: requests of one group can share a step's tree shape."""
 
     drafts: bool  # False: every step is the root alone (ar, total_tokens=1, one new token)
-    source: str  # draft source: "head" or "lookup" (prompt lookup, spec.lookup)
+    source: str  # draft sources: "head", "lookup" (prompt lookup, spec.lookup) or "both"
     tree: str  # "auto" or "fixed"
     topk: int
     depth: int
@@ -103,11 +105,15 @@ class SeqState:
     step: int = 0
     emitted: int = 0  # tokens the steps emitted so far (before the request's own cut)
     stop: str | None = None  # why it ended (None while it runs)
-    # Prompt lookup (drafts "lookup"): the n-gram index of prompt + emitted tokens, the
+    # Prompt lookup (drafts "lookup"/"both"): the n-gram index of prompt + emitted tokens, the
     # sequence's evidence of how far its lookup drafts hold, and this step's candidates.
     lookup: LookupIndex | None = None
     lookup_stats: LookupStats | None = None
     cands: Candidates | None = None
+    # drafts "both": this step's head tree (what the tree policy chose and observes), and the
+    # tokens the head's part of a tree yields a step (decayed mean; lookup's nodes must beat it).
+    head_cfg: TreeConfig | None = None
+    head_tokens: float = 1.0
 
 
 def _outcome_row(outcome: Outcome, b: int) -> Outcome:
@@ -115,6 +121,8 @@ def _outcome_row(outcome: Outcome, b: int) -> Outcome:
         accept_len=outcome.accept_len[b : b + 1], bonus_token=outcome.bonus_token[b : b + 1],
         accept_path=outcome.accept_path[b : b + 1], path_tokens=outcome.path_tokens[b : b + 1],
         depth=outcome.depth[b : b + 1], status=outcome.status,
+        parents=outcome.parents[b : b + 1], cand_index=outcome.cand_index[b : b + 1],
+        node_lookup=outcome.node_lookup[b : b + 1],
     )  # fmt: skip
 
 
@@ -237,8 +245,8 @@ class BatchDecoder:
                                    f"{message['slot']}: the ranks' decoders diverged")  # fmt: skip
             self._prefill(request, slot)
         elif op == "step":
-            parts = [([by_slot[slot] for slot in slots], TreeConfig(**cfg), None)
-                     for slots, cfg in message["parts"]]  # fmt: skip
+            parts = [([by_slot[slot] for slot in slots], TreeConfig(**cfg), None, alone)
+                     for slots, cfg, alone in message["parts"]]  # fmt: skip
             self._run_parts(parts)
         elif op == "release":
             self._release(by_slot[message["slot"]])
@@ -257,12 +265,21 @@ class BatchDecoder:
 
     def check(self, request: Request) -> None:
         """Raise ValueError if ``request`` could never run in a slot of this decoder."""
-        need = len(request.prompt_ids) + request.max_new_tokens
+        prompt = len(request.prompt_ids)
+        need = prompt + request.max_new_tokens
         if need > self.max_len and self.max_len < request.context:
+            # Said with max_len=N, the Scheduler's and engine.decoder's argument; the server
+            # spells it --max-len N (rheo_engine.entrypoints.serve).
+            k = self.pool.k  # [layers, slots, max_len + 1, Hkv, D]
+            row_kib = 2 * k[:, 0, 0].numel() * k.element_size() / 1024  # K and V, one slot
+            lower = (f"lower max_new_tokens to at most {self.max_len - prompt}"
+                     if prompt < self.max_len else "shorten the prompt")  # fmt: skip
             raise ValueError(
-                f"the request needs {need} rows (prompt {len(request.prompt_ids)} + "
-                f"max_new_tokens {request.max_new_tokens}) but a batch slot holds max_len="
-                f"{self.max_len}; lower max_new_tokens or make the scheduler with a larger max_len"
+                f"the request needs {need} rows (prompt {prompt} + max_new_tokens "
+                f"{request.max_new_tokens}) but a KV slot holds max_len={self.max_len} rows; "
+                f"{lower}, or raise max_len to {min(need, request.context)} or more (up to the "
+                f"context, {request.context}; the target's KV takes {row_kib:.0f} KiB per row "
+                "in each slot)"
             )
         if request.drafts and request.draft_source == "head" and self.drafter is None:
             raise ValueError(
@@ -291,13 +308,14 @@ class BatchDecoder:
         start = time.perf_counter()
         drafts, source = request.drafts, request.draft_source
         root = self._prefill_ids(slot, request.prompt_ids, drafts and source != "lookup")
+        # (drafts "both" queues the head's pairs: its drafts join lookup's in one tree)
         cfg = request.tree_cfg
         profile = id(request.cost_profile) if request.cost_profile else None
         group = TreeGroup(drafts, source if drafts else "head", request.tree, cfg.topk, cfg.depth,
                           cfg.total_tokens, cfg.leads, cfg.support, profile)  # fmt: skip
         request.prefill_s = time.perf_counter() - start
         seq = SeqState(request, slot, root, group, min(request.context, self.max_len))
-        if drafts and source == "lookup":
+        if drafts and source != "head":
             seq.lookup, seq.lookup_stats = LookupIndex(request.prompt_ids), LookupStats()
         self.running.append(seq)
         return seq
@@ -360,7 +378,8 @@ class BatchDecoder:
             self._turn += 1
             parts = self._plan([s for s in self.running if s.group == group])
             if self._leads:  # the plan as JSON only when ranks follow it (a step's hot path)
-                plan = [[[s.slot for s in seqs], dataclasses.asdict(cfg)] for seqs, cfg, _ in parts]
+                plan = [[[s.slot for s in part[0]], dataclasses.asdict(part[1]), part[3:] == (True,)]
+                        for part in parts]  # fmt: skip
                 self._tell("step", parts=plan)
             return self._run_parts(parts)
 
@@ -421,6 +440,8 @@ class BatchDecoder:
         group = seqs[0].group
         if group.drafts and group.source == "lookup":
             return self._plan_lookup(seqs, room, wanted)
+        if group.drafts and group.source == "both":
+            return self._plan_both(seqs, room, wanted)
         if not group.drafts or any(self.drafter.length(s.slot) == 0 for s in seqs):
             # A head needs one (feature, token) pair before it can draft, so the first step of
             # a one-token prompt is a plain target step.
@@ -454,8 +475,49 @@ class BatchDecoder:
             if n == 1:
                 plain.append(s)
             else:
-                parts.append(([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None))
-        return ([(plain, TreeConfig("ar"), None)] if plain else []) + parts
+                part = ([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None, True)
+                parts.append(part)
+        return ([(plain, TreeConfig("ar"), None, True)] if plain else []) + parts
+
+    def _plan_both(self, seqs: list[SeqState], room, wanted):
+        """drafts "both": the head's tree as the tree policy chooses it, plus as many lookup
+        nodes as pay on top of what the head's part yields (lookup_policy.extra_nodes), merged
+        in one tree (spec.lookup.merge). When the head's part is a plain step (or the head
+        cannot draft yet), each sequence's lookup tree alone, as drafts "lookup"."""
+        if any(self.drafter.length(s.slot) == 0 for s in seqs):
+            return self._plan_lookup(seqs, room, wanted)
+        policy = self._policy(seqs[0])
+        if isinstance(policy, AutoTree):
+            policy.set_batch(len(seqs))
+            heads = [(seqs, policy.choose(min(map(room, seqs)), max(map(wanted, seqs))))]
+        else:
+            by_cfg: dict[TreeConfig, list[SeqState]] = {}
+            for s in seqs:
+                by_cfg.setdefault(policy.choose(room(s), wanted(s)), []).append(s)
+            heads = [(part, cfg) for cfg, part in by_cfg.items()]
+        fixed = seqs[0].group.tree == "fixed"
+        costs = None if fixed else self._lookup_costs(seqs[0])
+        parts = []
+        for part, head in heads:
+            if head.method == "ar" or head.total_tokens == 1:
+                parts += self._plan_lookup(part, room, wanted)
+                continue
+            base_s = getattr(policy, "predicted_s", None) or (
+                costs.cost(head.total_tokens) if costs else 1.0
+            )
+            room_left = min(map(room, part))
+            # the merged tree's candidates hold at least the head's: never more nodes than those
+            head_room = max_tree_size(head.topk, head.depth) - head.total_tokens
+            extra = 0
+            for s in part:
+                tc = s.request.tree_cfg
+                s.cands, s.head_cfg = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk), head
+                n = extra_nodes(s.cands, costs, head.total_tokens, s.head_tokens, base_s,
+                                room_left, wanted(s), tc.depth if fixed else head_room)  # fmt: skip
+                extra = max(extra, min(n, head_room))
+            cfg = dataclasses.replace(head, total_tokens=head.total_tokens + extra)
+            parts.append((part, cfg, policy))
+        return parts
 
     def _lookup_costs(self, seq: SeqState) -> StepCosts:
         """What target steps of n rows cost here (lookup_policy.StepCosts): kept for this
@@ -499,7 +561,9 @@ class BatchDecoder:
                                  repeats=3 if self.tp is not None else 5, budget_s=budget)  # fmt: skip
 
     @torch.no_grad()
-    def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy):
+    def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy, alone: bool = False):
+        """One step of a batch: the tree of ``cfg`` (``alone``: each sequence's lookup tree
+        alone, as _plan_lookup plans it), its tokens and logprobs per sequence."""
         start = time.perf_counter()
         draws = [
             Draw(s.request.tree_cfg.method, s.request.sampling, s.request.seed, s.step,
@@ -507,31 +571,37 @@ class BatchDecoder:
             for s in seqs
         ]  # fmt: skip
         group = seqs[0].group
-        lookup = group.drafts and group.source == "lookup"
-        drafted = None
-        if lookup and cfg.method != "ar":  # one sequence: its lookup tree (_plan_lookup)
+        uses_lookup = group.drafts and group.source != "head"
+        if uses_lookup:
+            for s in seqs:
+                if s.cands is None:  # a rank > 0 replaying rank 0's plan
+                    tc = s.request.tree_cfg
+                    s.cands = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk)
+        drafted = merge = None
+        if alone and cfg.method != "ar":  # one sequence (_plan_lookup)
             s = seqs[0]
-            if s.cands is None:  # a rank > 0 replaying rank 0's plan
-                tc = s.request.tree_cfg
-                s.cands = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk)
             view = self._view([s.slot])
             drafted = lookup_tree(s.cands, s.root, view.lengths_dev, cfg.total_tokens,
                                   cfg.depth, self.status)  # fmt: skip
+        elif uses_lookup and cfg.method != "ar":
+            merge = Merger([s.cands for s in seqs])
         result = self._speculate(
             [s.slot for s in seqs], torch.cat([s.root for s in seqs]), cfg, draws,
-            group.drafts and not lookup, drafted,
+            group.drafts and group.source != "lookup", drafted, merge,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         predicted = getattr(policy, "predicted_s", None)
         out = []
         for b, s in enumerate(seqs):
             r, row = s.request, _outcome_row(result.outcome, b)
-            if lookup:
-                self._observe_lookup(s, drafted, row)
+            seen = row  # what the tree policy observes: the head's own nodes
+            if uses_lookup:
+                seen = self._observe_lookup(s, result.draft, row, b, cfg)
             elif group.drafts and cfg.method != "ar":
                 r.accepted["head"] = r.accepted.get("head", 0) + row.accept_len[0] - 1
             if policy is not None:
-                policy.observe(cfg, row, seconds)
+                policy.observe(cfg if s.head_cfg is None else s.head_cfg, seen, seconds)
+            s.head_cfg = None
             r.trees.add(cfg, predicted, seconds)
             r.times.add(result.times)
             logprobs = []
@@ -545,16 +615,38 @@ class BatchDecoder:
             out.append((s, emitted, logprobs))
         return out
 
-    def _observe_lookup(self, s: SeqState, drafted: DraftTree | None, row: Outcome) -> None:
-        """After a step of a lookup sequence: its evidence (what its lookup nodes held), the
-        accepted count, and the index extended with the emitted tokens."""
-        accepted = row.accept_len[0] - 1
-        if drafted is not None:
-            events = step_events(s.cands, drafted.tree, row.accept_path[0], row.accept_len[0])
-            s.lookup_stats.observe(events)
-            s.request.accepted["lookup"] = s.request.accepted.get("lookup", 0) + accepted
+    def _observe_lookup(self, s: SeqState, dt: DraftTree, row: Outcome, b: int,
+                        cfg: TreeConfig) -> Outcome:  # fmt: skip
+        """After a step of a sequence that drafts from its context: the lookup evidence (what
+        its lookup nodes held), the tokens accepted per source, the index extended with the
+        emitted tokens. Returns the outcome as the head's tree policy sees it: its own nodes
+        only (a merged tree's path cut at the first lookup-only node)."""
         s.lookup.extend(row.emitted[0])
-        s.cands = None
+        cands, s.cands = s.cands, None
+        if cfg.method == "ar":
+            return row
+        n, path = row.accept_len[0], row.accept_path[0]
+        s.lookup_stats.observe(step_events(cands, row))
+        accepted = s.request.accepted
+        if dt.head_candidates < 0:  # a lookup tree alone
+            accepted["lookup"] = accepted.get("lookup", 0) + n - 1
+            return row
+        # The head's own nodes (a lookup node that joined one counts as the head's).
+        head = [i for i, flat in enumerate(row.cand_index[0]) if flat < dt.head_candidates]
+        keep = {node: k for k, node in enumerate(head)}
+        on_head = 1
+        while on_head < n and path[on_head] in keep:
+            on_head += 1
+        accepted["head"] = accepted.get("head", 0) + on_head - 1
+        accepted["lookup"] = accepted.get("lookup", 0) + n - on_head
+        s.head_tokens = 0.8 * s.head_tokens + 0.2 * on_head
+        cut = [keep[node] for node in path[:on_head]]
+        return Outcome(
+            accept_len=[on_head], bonus_token=row.bonus_token,
+            accept_path=[cut + [-1] * (len(path) - on_head)],
+            path_tokens=row.path_tokens,
+            depth=[[row.depth[0][i] for i in head]], status=row.status,
+        )  # fmt: skip
 
     def _speculate(
         self,
@@ -564,10 +656,11 @@ class BatchDecoder:
         draws: list[Draw],
         drafts: bool,
         drafted: DraftTree | None = None,
+        merge: Merger | None = None,
     ) -> StepResult:
         """One step (step.speculative_step) over these slots, committed; ``drafts``: whether
         the head takes part (it also queues the pairs of a plain step); ``drafted``: a lookup
-        tree made before the step."""
+        tree made before the step; ``merge``: lookup candidates merged into the head's tree."""
         view = self._view(slots)
         target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else ())
         if drafts:
@@ -576,7 +669,7 @@ class BatchDecoder:
         # and the roots and the tree policy's evidence come from the step's one read.
         return speculative_step(
             target, self.drafter if drafts else None, roots, view.lengths_dev, cfg, draws,
-            self.head.draft_to_target if drafts else None, self.status, drafted,
+            self.head.draft_to_target if drafts else None, self.status, drafted, merge,
         )  # fmt: skip
 
     def _view(self, slots: list[int]) -> SlotBatch:

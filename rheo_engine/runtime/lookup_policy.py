@@ -137,3 +137,26 @@ def choose_nodes(cands: Candidates, costs: StepCosts | None, room: int, wanted: 
         return 1, 0
     depth = max(cands.depth[i] for i in usable[: best_n - 1])
     return best_n, depth
+
+
+def extra_nodes(cands: Candidates, costs: StepCosts | None, base_nodes: int, base_tokens: float,
+                base_s: float, room: int, wanted: int, max_nodes: int) -> int:  # fmt: skip
+    """How many lookup nodes to add to a head tree of ``base_nodes`` nodes that yields
+    ``base_tokens`` tokens a step (the sequence's record) in ``base_s`` seconds: the count
+    maximising (base_tokens + E[accepted lookup]) / (base_s + cost(base + n) - cost(base)),
+    0 when none beats the head tree alone by MARGIN. ``costs`` None (tree="fixed"): every usable
+    candidate up to max_nodes."""
+    usable = [i for i in cands.ranked() if cands.depth[i] <= wanted - 1]
+    limit = min(room - base_nodes, max_nodes, len(usable))
+    if limit < 1:
+        return 0
+    if costs is None:
+        return limit
+    best_rate, best_n, gained = base_tokens / base_s * MARGIN, 0, 0.0
+    for n in range(1, limit + 1):
+        gained += math.exp(cands.scores[usable[n - 1]])
+        extra_s = costs.cost(base_nodes + n) - costs.cost(base_nodes)
+        rate = (base_tokens + gained) / (base_s + extra_s)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    return best_n

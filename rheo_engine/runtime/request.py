@@ -27,7 +27,8 @@ from rheo_engine.spec.step import StepTimes, resolve_seed
 from rheo_engine.spec.verify import History, TokenLogprob
 
 TREES = ("auto", "fixed")
-DRAFTS = ("head", "lookup")  # draft sources: the EAGLE-3 head, or prompt lookup (spec.lookup)
+# Draft sources: the EAGLE-3 head, prompt lookup (spec.lookup), or both in one tree.
+DRAFTS = ("head", "lookup", "both")
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Generation:
     # Where each of temperature, top_p, top_k, min_p, repetition_penalty came from: "request",
     # the target's "generation_config.json", or the engine's "default".
     sampling_sources: dict[str, str] = field(default_factory=dict)
-    drafts: str = "head"  # the draft source used: "head" or "lookup"
+    drafts: str = "head"  # the draft sources used: "head", "lookup" or "both"
     # Draft tokens accepted per source ("head", "lookup"), before the request's own cut.
     accepted: dict[str, int] = field(default_factory=dict)
 
@@ -97,9 +98,9 @@ _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def default_drafts(has_head: bool) -> str:
-    """The draft source of a request that names none: the head when one is loaded, else
-    prompt lookup (so a target with no head still speculates)."""
-    return "head" if has_head else "lookup"
+    """The draft sources of a request that names none: the head and prompt lookup in one tree
+    when a head is loaded, else prompt lookup alone (so a target with no head speculates)."""
+    return "both" if has_head else "lookup"
 
 
 def _is_messages(prompt: object) -> bool:
@@ -193,7 +194,7 @@ class Request:
         chat_template: str | None = None,
         tree: str = "auto",
         cost_profile: str | Path | CostProfile | None = None,
-        drafts: str | None = None,  # None: "head" with a head loaded, else "lookup"
+        drafts: str | None = None,  # None: "both" with a head loaded, else "lookup"
         run: Callable[[Request], Iterator[list[int]]] | None = None,
     ) -> None:
         """``run``: what iterating the request does (the engine's: a decoder of one slot,
@@ -219,7 +220,7 @@ class Request:
         if self.draft_source not in DRAFTS:
             raise ValueError(
                 f"drafts={drafts!r} is not one of {list(DRAFTS)}: 'head' drafts with the EAGLE-3 "
-                "head, 'lookup' from the context (prompt lookup)"
+                "head, 'lookup' from the context (prompt lookup), 'both' merges them in one tree"
             )
         if method != "ar" and self.draft_source != "lookup" and not ctx.has_head:
             raise ValueError(

@@ -46,6 +46,11 @@ class DraftTree:
     tree: kernels.Tree
     q_tilde_ids: torch.Tensor  # [R, Se] int32, target vocabulary ids
     q_tilde: torch.Tensor  # [R, Se] q~ on that support
+    # With lookup candidates (spec.lookup): [B, N] int32, the lookup candidate each node carries
+    # (-1: none), read with the verdict; and the head's candidate count (flat indices below it
+    # are the head's; -1: no head candidates merged).
+    node_lookup: torch.Tensor | None = None
+    head_candidates: int = -1
 
 
 def pool_kind(method: str, temperature: float) -> kernels.PoolKind:
@@ -142,6 +147,7 @@ def draft_tree(
     forced: ForcedSamples | None = None,
     status: torch.Tensor | None = None,
     coins: Sequence[SequenceCoins] | None = None,
+    merge: Callable | None = None,
 ) -> DraftTree:
     """Grow ``cfg.depth`` levels below each root [B], then keep the best total_tokens - 1.
 
@@ -152,6 +158,11 @@ def draft_tree(
     ``coins`` (a batch of requests): per batch entry its temperature, pool kind, seed and step,
     used instead of ``temperature``, ``seed`` and ``step``; each entry's rows of a level get
     their own pool sampler call (the rows of entry b are b * rows_per_entry + j).
+    ``merge``: adds candidates of another source to the head's before the global pruning
+    (spec.lookup.Merger: prompt lookup, DESIGN §2.8); cfg.total_tokens then counts both kinds.
+    It takes the head's candidate tensors [B, L] (scores, tokens, parents, sampled) and the
+    roots, and returns the merged tensors, [B, L'] the lookup candidate of each flat index,
+    and the deepest candidate's depth; nothing is read back.
     """
     if cfg.method == "ar":
         return root_only_tree(root_tokens, prefix_len)
@@ -196,18 +207,28 @@ def draft_tree(
         levels.append(level)
         all_pools.append(pool)
         rows += B * K
+    cands = [
+        torch.cat([getattr(lv, name) for lv in levels], 1).contiguous()
+        for name in ("scores", "tokens", "parents", "sampled_row")
+    ]
+    head_candidates, lookup_of, layout_depth, on_nodes = -1, None, cfg.depth, None
+    if merge is not None:
+        head_candidates = cands[0].shape[1]
+        cands, lookup_of, deepest = merge(cands, root_tokens)
+        layout_depth = max(cfg.depth, deepest)
     tree = kernels.build_tree(
-        torch.cat([lv.scores for lv in levels], 1).contiguous(),
-        torch.cat([lv.tokens for lv in levels], 1).contiguous(),
-        torch.cat([lv.parents for lv in levels], 1).contiguous(),
-        torch.cat([lv.sampled_row for lv in levels], 1).contiguous(),
+        *cands,
         root_tokens.to(torch.int32).contiguous(),
         prefix_len.to(torch.int32).contiguous(),
         cfg.total_tokens,
-        cfg.depth,
+        layout_depth,
         status,
     )
+    if lookup_of is not None:
+        flat = tree.cand_index.long()
+        on_nodes = lookup_of.gather(1, flat.clamp(min=0)).masked_fill(flat < 0, -1)
     q_ids = torch.cat([p.q_tilde_ids for p in all_pools], 0)
     if draft_to_target is not None:
         q_ids = draft_to_target[q_ids.long()].to(torch.int32)
-    return DraftTree(tree, q_ids.contiguous(), torch.cat([p.q_tilde for p in all_pools], 0))
+    return DraftTree(tree, q_ids.contiguous(), torch.cat([p.q_tilde for p in all_pools], 0),
+                     on_nodes, head_candidates)  # fmt: skip

@@ -189,46 +189,160 @@ def lookup_tree(
     depth: int,
     status: torch.Tensor | None = None,
 ) -> DraftTree:
-    """The tree of the root [1] and the best total_tokens - 1 candidates, nodes no deeper than
-    ``depth`` (kernels.build_tree lays it out: mask, positions, paths). Its ``cand_index``
-    names each node's candidate."""
-    keep = [i for i in range(len(cands)) if cands.depth[i] <= depth]
-    kept = {old: i for i, old in enumerate(keep)}
+    """The tree of the root [1] and the best total_tokens - 1 candidates no deeper than
+    ``depth`` (deeper ones score -inf: never kept while enough others are, as the policy
+    guarantees), laid out by kernels.build_tree (mask, positions, paths). Its ``cand_index``
+    names each node's candidate, and so does ``node_lookup``. One upload: the candidates."""
     dev = root.device
-    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
-    scores = torch.tensor([[cands.scores[i] for i in keep]], **f32)
-    tokens = torch.tensor([[cands.tokens[i] for i in keep]], **i32)
-    parents = torch.tensor(
-        [[-1 if cands.parents[i] < 0 else kept[cands.parents[i]] for i in keep]], **i32
-    )
-    sampled = torch.full_like(tokens, -1)
+    scores = [sc if d <= depth else -math.inf for sc, d in zip(cands.scores, cands.depth,
+                                                                strict=True)]  # fmt: skip
+    # scores, tokens, parents as float32 rows (token ids < 2**24 are exact)
+    packed = torch.tensor([scores, cands.tokens, cands.parents], dtype=torch.float32).to(dev)
+    tokens, parents = packed[1:2].to(torch.int32), packed[2:3].to(torch.int32)
     tree = kernels.build_tree(
-        scores, tokens, parents, sampled, root.to(torch.int32).view(1), 
-        prefix_len.to(torch.int32).view(1), total_tokens, depth, status,
+        packed[0:1].contiguous(), tokens, parents, torch.full_like(tokens, -1),
+        root.to(torch.int32).view(1), prefix_len.to(torch.int32).view(1), total_tokens, depth,
+        status,
     )  # fmt: skip
-    if len(keep) != len(cands):  # cand_index back to the caller's numbering
-        back = torch.tensor([-1] + keep, **i32)
-        tree.cand_index = back[tree.cand_index.long() + 1]
-    empty = torch.zeros(0, 1, **i32)
-    return DraftTree(tree, empty, torch.zeros(0, 1, **f32))
+    empty = torch.zeros(0, 1, dtype=torch.int32, device=dev)
+    q_tilde = torch.zeros(0, 1, dtype=torch.float32, device=dev)
+    return DraftTree(tree, empty, q_tilde, node_lookup=tree.cand_index)
 
 
-def step_events(
-    cands: Candidates, tree: kernels.Tree, accept_path: list[int], accept_len: int
-) -> list[tuple[int, int, bool]]:
-    """What a step says of the lookup drafts (LookupStats.observe): for every node on the
-    accepted path that had children in the tree, (n, depth of the children, whether one of
-    them was accepted); n is the best-ranked child's match length."""
-    parents = tree.parents[0].tolist()
-    cand = tree.cand_index[0].tolist()
-    path = accept_path[:accept_len]
+# Whether a lookup token may join a *sampled* head child with the same token. Never: the
+# sampled child's rank would then depend on its own token Y (joining moves the lookup node's
+# score onto it, or frees the lookup node's place in the rerank), which breaks Lemma 4's
+# independence and the law (tests/test_lookup.py flips it to show the bias).
+JOIN_SAMPLED = False
+
+
+@dataclass
+class Merged:
+    """The head's candidates of one tree with the lookup candidates merged in (DESIGN §2.8):
+    flat lists in the proxy rerank's layout, and ``lookup_of``: flat index -> the lookup
+    candidate it carries (a lookup node that joined a head child maps to that child)."""
+
+    scores: list[float]
+    tokens: list[int]
+    parents: list[int]
+    sampled: list[int]
+    lookup_of: dict[int, int]
+
+
+def merge(scores, tokens, parents, sampled, cands: Candidates) -> Merged:
+    """Add the lookup trie to the head's candidates [L] of one tree (lists, flat index order).
+
+    A lookup token that equals a deterministic head child of the same node (the root, or a
+    node the lookup path already joined) joins it: one node, whose score becomes the larger of
+    the two estimates, capped by its parent's; its subtree gains the rest of the lookup path.
+    Every other lookup node is appended as a deterministic child, scored min(its estimate, its
+    parent's score). So a child never outscores its parent and ties rank parents first (lower
+    flat index): any top-(N - 1) is a tree. Joins follow deterministic head children only (see
+    JOIN_SAMPLED), so no sampled child's rank depends on its own token."""
+    out = Merged(list(scores), list(tokens), list(parents), list(sampled), {})
+    L = len(tokens)
+    children = {
+        (p, t): i for i, (p, t, s) in enumerate(zip(parents, tokens, sampled, strict=True))
+        if s < 0 or JOIN_SAMPLED
+    }  # fmt: skip
+    where: list[int] = []
+    for i in range(len(cands)):  # breadth-first: a parent is placed before its children
+        p = cands.parents[i]
+        up = -1 if p < 0 else where[p]
+        own = cands.scores[i] if up < 0 else min(cands.scores[i], out.scores[up])
+        j = children.get((up, cands.tokens[i])) if up < L else None
+        if j is not None:
+            out.scores[j] = max(out.scores[j], own)
+        else:
+            j = len(out.tokens)
+            out.scores.append(own)
+            out.tokens.append(cands.tokens[i])
+            out.parents.append(up)
+            out.sampled.append(-1)
+        where.append(j)
+        out.lookup_of[j] = i
+    return out
+
+
+class Merger:
+    """draft.draft_tree's ``merge`` (DESIGN §2.8): ``merge`` done on the device, with shapes
+    fixed by the head's candidate count L and the widest entry's lookup candidates C, so that
+    drafting reads nothing back (one upload: the lookup candidates, from the host).
+
+    Every lookup candidate i gets flat index L + i. One that joins a head child is left there
+    at -inf (never kept while the tree has enough finite candidates: the policy adds at most
+    as many lookup nodes as the head has candidates), and its score goes to the head child;
+    depth by depth, as ``merge`` does. ``node_lookup`` [B, N] then says which lookup candidate
+    each kept node carries (-1 none): the step reads it with its verdict (verify.read_outcome).
+    """
+
+    def __init__(self, extra: list[Candidates]) -> None:
+        self.extra = extra
+
+    def __call__(self, cands: list[torch.Tensor], roots: torch.Tensor):
+        scores, tokens, parents, sampled = cands
+        B, L = tokens.shape
+        dev = tokens.device
+        C = max(1, max(len(c) for c in self.extra))
+        rows = [[], [], [], []]  # token, parent, depth (0: padding), score, per entry padded
+        for c in self.extra:
+            pad = C - len(c)
+            for row, values, fill in zip(rows, (c.tokens, c.parents, c.depth, c.scores),
+                                         (0, -1, 0, -math.inf), strict=True):  # fmt: skip
+                row.append(list(values) + [fill] * pad)
+        # the one upload: float32 (token ids < 2**24 are exact)
+        packed = torch.tensor(rows, dtype=torch.float32).to(dev)
+        ltok, lpar, ldepth = packed[0].to(torch.int32), packed[1].long(), packed[2].to(torch.int32)
+        lscore = packed[3]
+        valid = ldepth > 0
+        ltok = torch.where(valid, ltok, roots.to(torch.int32).view(B, 1).expand(B, C))
+        out_scores = torch.cat((scores, torch.full((B, C), -math.inf, device=dev)), 1)
+        out_parents = torch.cat((parents, torch.full((B, C), -1, dtype=torch.int32,
+                                                     device=dev)), 1)  # fmt: skip
+        where = torch.arange(L, L + C, device=dev).expand(B, C).clone()  # flat index of each
+        joinable = (sampled < 0) if not JOIN_SAMPLED else torch.ones_like(sampled, dtype=bool)
+        deepest = max((max(c.depth, default=0) for c in self.extra), default=0)
+        for d in range(1, deepest + 1):
+            at = valid & (ldepth == d)
+            up = torch.where(lpar < 0, lpar, where.gather(1, lpar.clamp(min=0)))  # [B, C]
+            pscore = torch.where(up < 0, torch.zeros_like(lscore),
+                                 out_scores.gather(1, up.clamp(min=0)))  # fmt: skip
+            own = torch.minimum(lscore, pscore)
+            match = ((parents.unsqueeze(1) == up.unsqueeze(2))
+                     & (tokens.unsqueeze(1) == ltok.unsqueeze(2))
+                     & joinable.unsqueeze(1) & (at & (up < L)).unsqueeze(2))  # [B, C, L]
+            joined = match.any(2)
+            j = match.to(torch.int8).argmax(2)  # the head child it joins
+            raised = torch.where(joined, own, torch.full_like(own, -math.inf))
+            out_scores[:, :L] = out_scores[:, :L].scatter_reduce(1, j, raised, "amax")
+            where = torch.where(joined, j, where)
+            apart = at & ~joined
+            out_scores[:, L:] = torch.where(apart, own, out_scores[:, L:])
+            out_parents[:, L:] = torch.where(apart, up.to(torch.int32), out_parents[:, L:])
+        lookup_of = torch.full((B, L + C), -1, dtype=torch.int32, device=dev)
+        index = torch.arange(C, dtype=torch.int32, device=dev).expand(B, C)
+        lookup_of.scatter_(1, torch.where(valid, where, L + torch.arange(C, device=dev)),
+                           torch.where(valid, index, torch.full_like(index, -1)))  # fmt: skip
+        merged = [out_scores.contiguous(), torch.cat((tokens, ltok), 1).contiguous(),
+                  out_parents.contiguous(),
+                  torch.cat((sampled, torch.full((B, C), -1, dtype=torch.int32, device=dev)),
+                            1).contiguous()]  # fmt: skip
+        return merged, lookup_of, deepest
+
+
+def step_events(cands: Candidates, outcome, b: int = 0) -> list[tuple[int, int, bool]]:
+    """What a step says of the lookup drafts (LookupStats.observe): for every node on entry
+    b's accepted path that had lookup children in the tree, (n, depth of the children, whether
+    one of them was accepted); n is the accepted (else the best-ranked) child's match length.
+    ``outcome``: the step's verify.Outcome, read with the tree's parents and node_lookup."""
+    parents, which = outcome.parents[b], outcome.node_lookup[b]
+    path = outcome.accept_path[b][: outcome.accept_len[b]]
     events = []
     for k, node in enumerate(path):
-        kids = [i for i, p in enumerate(parents) if p == node and i > 0]
+        kids = [i for i, p in enumerate(parents) if p == node and i > 0 and which[i] >= 0]
         if not kids:
             continue
-        held = k + 1 < len(path)
-        first = path[k + 1] if held else min(kids)
-        c = cand[first]
+        held = k + 1 < len(path) and path[k + 1] in kids
+        c = which[path[k + 1] if held else min(kids)]
         events.append((cands.match_n[c], cands.depth[c], held))
     return events

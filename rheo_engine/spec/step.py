@@ -201,6 +201,7 @@ def speculative_step(
     draft_to_target: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
     drafted: DraftTree | None = None,
+    merge=None,
 ) -> StepResult:
     """One step for B sequences: draft a tree per root, verify it, accept, commit. The engine's
     only step: a request alone is a batch of one (rheo_engine.runtime.decoder), and the n-gram toy
@@ -219,7 +220,8 @@ def speculative_step(
     tokens then use that host copy. ``status``: a [1] int32 word to reuse (zeroed here, on the
     device), so that a run of steps keeps its buffers at fixed addresses; None allocates one.
     ``drafted``: a tree made before the step from the history alone (prompt lookup,
-    spec.lookup), verified as given; the drafter, if any, is then only committed.
+    spec.lookup), verified as given; the drafter, if any, is then only committed. ``merge``:
+    lookup candidates merged into the head's tree (draft.draft_tree, spec.lookup.Merger).
     """
     shared = isinstance(draws, Draw)
     B = root_tokens.shape[0]
@@ -237,7 +239,7 @@ def speculative_step(
         d = draws
         dt = draft_tree(
             timed, root_tokens, prefix_len, cfg, d.sampling.temperature, d.seed, d.step,
-            draft_to_target, status=status,
+            draft_to_target, status=status, merge=merge,
         )  # fmt: skip
     else:
         coins = [
@@ -247,7 +249,7 @@ def speculative_step(
         ]  # fmt: skip
         dt = draft_tree(
             timed, root_tokens, prefix_len, cfg, 0.0, 0, 0, draft_to_target, status=status,
-            coins=coins,
+            coins=coins, merge=merge,
         )  # fmt: skip
     head_s = 0.0 if timed is None else timed.elapsed
     times.draft_s = clock.lap() - head_s
@@ -270,7 +272,8 @@ def speculative_step(
         verdict = kernels.Verdict(
             *(torch.cat([getattr(v, n) for v in verdicts]) for n in _VERDICT_FIELDS)
         )
-    outcome = read_outcome(dt.tree, verdict, status)  # the step's one host read; raises on bad
+    # the step's one host read; raises on bad input
+    outcome = read_outcome(dt.tree, verdict, status, dt.node_lookup)
     times.verify_s = clock.lap()
     if drafter is not None:
         drafter.commit(dt.tree, verdict, outcome, features)

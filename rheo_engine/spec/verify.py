@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -157,6 +157,12 @@ class Outcome:
     path_tokens: list[list[int]]  # [B][P] tokens of those nodes (the root's first)
     depth: list[list[int]]  # [B][N] depth of every tree node (the tree policy's replay)
     status: int  # the status word (0: every kernel of the step had good input)
+    # Trees with lookup candidates (spec.lookup): [B][N] every node's parent, flat candidate
+    # index (head candidates come first) and the lookup candidate it carries (-1: none);
+    # empty otherwise.
+    parents: list[list[int]] = field(default_factory=list)
+    cand_index: list[list[int]] = field(default_factory=list)
+    node_lookup: list[list[int]] = field(default_factory=list)
 
     @property
     def emitted(self) -> list[list[int]]:
@@ -166,7 +172,10 @@ class Outcome:
 
 
 def read_outcome(
-    tree: kernels.Tree, verdict: kernels.Verdict, status: torch.Tensor | None = None
+    tree: kernels.Tree,
+    verdict: kernels.Verdict,
+    status: torch.Tensor | None = None,
+    node_lookup: torch.Tensor | None = None,
 ) -> Outcome:
     """The one device-to-host read of a decode step (docs/kernels.md §5): accept lengths, bonus
     tokens, paths, the paths' tokens, the node depths and the status word travel as one int32
@@ -176,9 +185,11 @@ def read_outcome(
     and the cache length (known on the host before the step), so the GPU never waits for the
     host and a CUDA graph can capture the step; everything after it (commits, emitted tokens,
     the tree policy) uses this host copy. The gather of the path's tokens is clamped: padding
-    (-1) reads the root's token, which nothing uses.
+    (-1) reads the root's token, which nothing uses. ``node_lookup`` [B, N] (a tree with lookup
+    candidates): it, the tree's parents and its candidate indices travel in the same read.
     """
     B, P = verdict.accept_path.shape
+    N = tree.depth.shape[1]
     paths = verdict.accept_path.long()
     path_tokens = tree.tokens.gather(1, paths.clamp(min=0))  # [B, P] int32
     word = torch.zeros(1, dtype=torch.int32, device=paths.device) if status is None else status
@@ -190,6 +201,8 @@ def read_outcome(
             verdict.accept_path,
             path_tokens,
             tree.depth,
+            *(() if node_lookup is None else (tree.parents, tree.cand_index,
+                                              node_lookup.to(torch.int32))),  # fmt: skip
         ),
         1,
     )
@@ -203,8 +216,12 @@ def read_outcome(
         bonus_token=[r[1] for r in rows],
         accept_path=[r[3 : 3 + P] for r in rows],
         path_tokens=[r[3 + P : 3 + 2 * P] for r in rows],
-        depth=[r[3 + 2 * P :] for r in rows],
+        depth=[r[3 + 2 * P : 3 + 2 * P + N] for r in rows],
         status=rows[0][2],
+        **({} if node_lookup is None else {
+            name: [r[3 + 2 * P + k * N : 3 + 2 * P + (k + 1) * N] for r in rows]
+            for k, name in enumerate(("parents", "cand_index", "node_lookup"), 1)
+        }),  # fmt: skip
     )
 
 
