@@ -114,9 +114,13 @@ def test_message_checks(hf_tiny_llama31_dir):
     tok = Tokenizer.from_dir(hf_tiny_llama31_dir)
     bad = [
         ([{"role": "tool", "content": "x"}], "role 'tool'"),
-        ([{"role": "user", "content": ["part"]}], "content must be a str"),
-        ([{"role": "user"}], "exactly the keys 'role' and 'content', got \\['role'\\]"),
-        ([{"role": "user", "content": "x", "name": "n"}], "exactly the keys"),
+        ([{"role": "user", "content": ["part"]}], "content part 0 is 'str'; only text parts"),
+        ([{"role": "user", "content": 3}], "content must be a str or a list of text parts"),
+        ([{"role": "user"}], "the keys 'role' and 'content' \\(and optionally 'name'\\), got "
+         "\\['role'\\]"),
+        ([{"role": "user", "content": "x", "tool_calls": []}], "got \\['content', 'role', "
+         "'tool_calls'\\]"),
+        ([{"role": "user", "content": None}], "content must be a str"),
         ([{"role": "user", "content": "x"}, "y"], "message 1 must be a dict"),
         ("hi", "turns must be a list of str"),
         ([], "odd length"),

@@ -306,16 +306,29 @@ def test_thread_default_and_report(capsys):
     assert code == 0 and ", threads 2 (" in err
 
 
-def test_the_python_api_chooses_threads_as_the_cli():
-    """Engine.from_pretrained sets torch's CPU threads as the CLI does (one below 1B target
+def test_the_python_api_chooses_threads_and_leaves_the_callers():
+    """Engine.from_pretrained chooses CPU threads as the CLI does (one below 1B target
     parameters: at torch's default a shared 2-core machine ran the README snippet 30x slower)
-    and says so in engine.threads; threads=N chooses."""
+    and says so in engine.threads and repr; threads=N chooses. The engine computes on them
+    and leaves the caller's torch.set_num_threads as it was (issue 28: it used to set it
+    process-wide at load)."""
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)  # torch's default on a 2-core machine
+        torch.set_num_threads(2)  # torch's default on a 2-core machine, or a caller's choice
         engine = Engine.from_pretrained()
-        assert engine.threads == 1 == torch.get_num_threads()
-        assert Engine.from_pretrained(threads=2).threads == 2 == torch.get_num_threads()
+        assert engine.threads == 1 and torch.get_num_threads() == 2
+        assert repr(engine) == ("Engine(pair='default', dtype=bfloat16, device='cpu', "
+                                "threads=1, head=True, context=1024)")  # fmt: skip
+        engine.generate(PROMPT, 4, temperature=0)  # the auto tree measures this machine
+        assert torch.get_num_threads() == 2
+        keys = list(engine.cost_profiles)  # each names the threads it was measured on
+        assert keys and all(" 1 threads" in key for key in keys), keys
+        for _ in engine.stream(PROMPT, 2):
+            assert torch.get_num_threads() == 2  # between steps, the caller's count
+        two = Engine.from_pretrained(DEFAULT_PAIR / "target", threads=2, dtype=torch.float32)
+        assert two.threads == 2 and torch.get_num_threads() == 2
+        assert repr(two) == ("Engine(pair='default', dtype=float32, device='cpu', threads=2, "
+                             "head=False, context=1024)")  # fmt: skip
         with pytest.raises(ValueError, match=r"threads=0 must be an int >= 1"):
             Engine.from_pretrained(threads=0)
     finally:
@@ -517,7 +530,8 @@ FLAGS_AS_TYPED = [
     (["--topk", "300"], "--support 128 < --topk 300"),
     (["--leads", "-1"], "--leads -1 must be in [0, --topk 10)"),
     (["--stop", ""], '--stop "" would match before any text; omit --stop'),
-    (["--chat-template", "bogus"], "--chat-template bogus is for chat prompts; pass --chat"),
+    (["--no-chat", "--chat-template", "bogus"], "--chat-template bogus is for chat prompts; "
+                                                "pass --chat"),
     (["--chat", "--chat-template", "bogus"], "--chat-template bogus is unknown; known: "
                                              "vicuna_v1.1, llama-3 (base models take raw text: "
                                              "drop --chat)"),
@@ -546,3 +560,21 @@ def test_flags_are_named_as_typed(capsys, argv, says):
     line = one_error_line(err)
     assert code == 2 and not out and says in line, line
     assert not _PYTHON_SPELLING.search(line), line
+
+
+def test_chat_follows_the_model_and_a_named_template(capsys):
+    """Engine.request's rule (runtime/engine.py, default_chat) in the CLI: a base target (the
+    default pair) takes raw text, --chat-template alone makes a chat (it was an error without
+    --chat), --no-chat opts out."""
+    engine = Engine.from_pretrained(TARGET)
+    options = dict(temperature=0, method="ar")
+    raw = engine.generate(PROMPT, 4, chat=False, **options).token_ids
+    chat = engine.generate(PROMPT, 4, chat=True, chat_template="vicuna_v1.1", **options).token_ids
+    assert raw != chat and engine.generate(PROMPT, 4, **options).token_ids == raw
+    cases = [([], raw), (["--chat-template", "vicuna_v1.1"], chat), (["--no-chat"], raw),
+             (["--chat"], chat)]  # fmt: skip
+    for argv, want in cases:
+        code, out, err = run(capsys, "--target", str(TARGET), "--prompt", PROMPT, *FEW,
+                             "--temperature", "0", "--method", "ar", "--json", *argv)  # fmt: skip
+        assert code == 0, err
+        assert json.loads(out.splitlines()[0])["token_ids"] == want, argv

@@ -289,7 +289,29 @@ def test_method_needs_a_head(engine):
     want = engine.generate("def f(x):", 8, method="ar", temperature=0).token_ids
     assert plain.generate("def f(x):", 8, method="ar", temperature=0).token_ids == want
     with pytest.raises(ValueError, match="draft head"):
-        plain.request("def f(x):", method="rheo")
+        plain.request("def f(x):", method="rheo", drafts="head")
+    assert plain.request("def f(x):").draft_source == "lookup"  # no head: prompt lookup drafts
+
+
+def test_an_instruct_model_chats_by_default():
+    """Issue 28: generate("What is the capital of France?") on SmolLM2-Instruct returned ''
+    (raw text: EOS at once). A target with its own chat template now wraps a str prompt in it
+    unless chat=False; a base target (the default pair) takes raw text (test_cli.py)."""
+    from rheo_engine.runtime.pairs import smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    smollm2 = Engine.from_pretrained(gguf)  # the target alone: the rule is the model's
+    question = "What is the capital of France?"
+    gen = smollm2.generate(question, 16, temperature=0, method="ar")
+    assert "Paris" in gen.text, gen
+    chat_ids = smollm2.tokenizer.encode_chat([question])
+    assert smollm2.request(question).prompt_ids == chat_ids
+    assert smollm2.request(question, chat=False).prompt_ids == smollm2.tokenizer.encode(
+        question, bos=True
+    )
 
 
 # --- stories260K with a trained head (needs ../shared) ----------------------------------------

@@ -461,6 +461,9 @@ def test_privileged_port_is_one_line(capsys, monkeypatch):
         (["--max-len", "1"], "error: --max-len 1 must be an int >= 2 (rows per sequence)"),
         (["--max-body-bytes", "0"], "error: --max-body-bytes 0 must be >= 1"),
         (["--draft", "/nowhere"], "error: --draft was given without --target"),
+        (["--threads", "0"], "error: --threads 0 must be >= 1"),
+        (["--dtype", "int8"], "error: argument --dtype: invalid choice: 'int8'"),
+        (["--chat-template", "chatml"], "error: unknown chat template 'chatml'"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_one_line_in_cli_spelling(capsys, argv, says):
@@ -516,3 +519,170 @@ def test_fast_steps_share_a_wake_up():
     asyncio.run(main())
     assert [t for g in groups for t in g] == ["0", "1", "2", "3", "4"]
     assert len(groups) <= 2, groups
+
+
+# --- issue 28: the calls OpenAI clients make -------------------------------------------------
+
+
+def _serving(scheduler: Scheduler, **server_options):
+    """(uvicorn server, thread, port, openai client) of a Server over ``scheduler``."""
+    server = Server(scheduler, MODEL, **server_options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _wait(lambda: uv.started, 10)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           timeout=TIMEOUT, max_retries=0)  # fmt: skip
+    return SimpleNamespace(uv=uv, thread=thread, sock=sock, port=port, client=client,
+                           scheduler=scheduler)  # fmt: skip
+
+
+def _stop(s) -> None:
+    s.uv.should_exit = True
+    s.thread.join(10)
+    s.scheduler.close()
+    s.sock.close()
+
+
+@pytest.fixture(scope="module")
+def small_slots(engine):
+    """A server whose KV slots hold 64 rows, far below the context (1024)."""
+    s = _serving(Scheduler(engine, max_queue=4, max_batch=2, max_len=64))
+    yield s
+    _stop(s)
+
+
+def test_chat_without_max_tokens_gets_what_the_slot_holds(small_slots):
+    """As vLLM: an omitted max_tokens is the slot's rows after the prompt (it was the context,
+    which every slot smaller than the context refused)."""
+    client = small_slots.client
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, seed=1,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 64, out.usage
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, seed=1, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_max_tokens_over_the_slot_names_the_flag(small_slots):
+    with pytest.raises(openai.BadRequestError) as e:
+        small_slots.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=200)
+    message = e.value.body["message"]
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    assert "a KV slot holds --max-len 64 rows; lower max_tokens to at most" in message, message
+    assert "raise --max-len to" in message and "KiB per row" in message, message
+    assert "max_new_tokens" not in message and "max_len" not in message, message
+
+
+OPENAI_FORMS = [  # what the openai client sends, and the plain messages it means
+    ([{"role": "developer", "content": "Answer in Python."},
+      {"role": "user", "name": "ana", "content": [{"type": "text", "text": "def add(a, b):"},
+                                                  {"type": "text", "text": "    return"}]},
+      {"role": "assistant", "content": None},
+      {"role": "user", "content": "go on"}],
+     [{"role": "system", "content": "Answer in Python."},
+      {"role": "user", "content": "def add(a, b):\n    return"},
+      {"role": "assistant", "content": ""},
+      {"role": "user", "content": "go on"}]),
+]  # fmt: skip
+
+
+def test_openai_message_forms_are_accepted(served, engine):
+    """name, developer (a system message), null assistant content, text-part lists."""
+    for sent, means in OPENAI_FORMS:
+        out = served.client.chat.completions.create(model=MODEL, messages=sent, max_tokens=8,
+                                                    temperature=0, seed=3)  # fmt: skip
+        _idle(served)
+        want = engine.generate(means, 8, temperature=0, seed=3)
+        assert out.choices[0].message.content == want.text
+        assert out.usage.prompt_tokens == len(engine.request(means).prompt_ids)
+
+
+def test_non_text_content_parts_are_one_line_400(served):
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.chat.completions.create(
+            model=MODEL, max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}],
+        )  # fmt: skip
+    message = e.value.body["message"]
+    assert e.value.param == "messages" and "\n" not in message
+    assert message.startswith("message 0 content part 1 is 'image_url'; only text parts"), message
+
+
+def test_completion_prompt_list_is_answered_as_choices(served, engine):
+    prompts = [PROMPT, "import os\n", "class Stack:"]
+    options = dict(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, seed=2)
+    out = served.client.completions.create(**options)
+    _idle(served)
+    want = [engine.generate(p, 6, temperature=0, seed=2, chat=False) for p in prompts]
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    assert out.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    texts = ["", "", ""]
+    for chunk in served.client.completions.create(**options, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [w.text for w in want]
+
+
+def test_serve_flags_dtype_threads_chat_template_and_kv_memory():
+    """--dtype, --threads and --chat-template as in generate; the KV memory said at start;
+    a chat without max_tokens fills its slot, one past it names --max-len."""
+    server = _serve("--port", "0", "--dtype", "float32", "--threads", "1", "--chat-template",
+                    "vicuna_v1.1", "--max-len", "48", "--max-batch", "1")  # fmt: skip
+    try:
+        port, seen = None, []
+        deadline = time.monotonic() + 120
+        while not any("KV cache" in line for line in seen) and time.monotonic() < deadline:
+            line = server.stderr.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+            found = re.search(r"running on http://127\.0\.0\.1:(\d+) ", line)
+            port = port or (found and int(found.group(1)))
+        kv = next(line for line in seen if "KV cache" in line)
+        assert "1 slots (--max-batch) x 48 rows (--max-len) =" in kv, kv
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               timeout=TIMEOUT, max_retries=0)  # fmt: skip
+        out = client.chat.completions.create(
+            model="rheo-default", messages=CHAT, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.total_tokens == 48
+        too_many = 99 - out.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="raise --max-len to 99 or more"):
+            client.chat.completions.create(model="rheo-default", messages=CHAT,
+                                           max_tokens=too_many)  # fmt: skip
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0 and "Traceback" not in err, err
+
+
+def test_smollm2_chat_without_max_tokens():
+    """Issue 28's first call: the SmolLM2 server refused every chat that omitted max_tokens
+    (prompt + the 8192-token context > a 4096-row slot)."""
+    from rheo_engine.runtime.pairs import resolve_pair
+
+    try:
+        resolve_pair("smollm2")
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    smollm2 = Engine.from_pretrained(pair="smollm2", threads=1)
+    s = _serving(Scheduler(smollm2, max_batch=1))  # the default max_len: 4096 rows
+    try:
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        out = s.client.chat.completions.create(model=MODEL, messages=question, temperature=0,
+                                               extra_body={"method": "ar"})  # fmt: skip
+        assert "Paris" in out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="--max-len 4096"):
+            s.client.chat.completions.create(model=MODEL, messages=question, max_tokens=8000)
+    finally:
+        _stop(s)

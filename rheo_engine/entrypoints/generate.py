@@ -237,8 +237,10 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument(
-        "--chat", action="store_true",
-        help="wrap the prompt in the chat template (on by default with an instruct --pair)",
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="wrap the prompt in the chat template (default: on when the target has its own "
+        "template, an instruct model such as --pair smollm2, or with --chat-template; "
+        "--no-chat passes raw text)",
     )  # fmt: skip
     p.add_argument(
         "--chat-template", metavar="NAME",
@@ -253,11 +255,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pair_chats(pair: str | None) -> bool:
-    """An instruct --pair (smollm2) wraps every prompt in its chat template."""
-    return pair is not None and PAIRS[pair].chat
-
-
 def _options(args: argparse.Namespace) -> dict:
     return dict(
         method=args.method, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -266,7 +263,7 @@ def _options(args: argparse.Namespace) -> dict:
         stop=args.stop, ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens,
         logprobs=args.logprobs, top_logprobs=args.top_logprobs, seed=args.seed, topk=args.topk,
         depth=args.depth, total_tokens=args.total_tokens,
-        leads=args.leads, support=args.support, chat=args.chat or _pair_chats(args.pair),
+        leads=args.leads, support=args.support, chat=args.chat,
         chat_template=args.chat_template,
         tree=args.tree,
         cost_profile=args.cost_profile, drafts=args.drafts,
@@ -519,7 +516,7 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
         args.target, args.draft, args.device, dtype, args.pair, args.threads,
         tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,
     )  # fmt: skip
-    progress.threads = engine.threads
+    progress.threads = engine.threads or torch.get_num_threads()
     for prompt in prompts(args):
         run_one(engine, prompt, args, progress)
 

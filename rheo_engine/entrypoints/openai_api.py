@@ -87,36 +87,38 @@ def _fields(body: dict, table: dict) -> dict:
     return out
 
 
-def _prompt(given: dict) -> object:
-    """A completion's prompt: a str, token ids, or a list of one of them."""
+def _prompts(given: dict) -> list:
+    """A completion's prompts, each answered as one choice in order: a str or token ids is
+    one; a list of str or of token-id lists is one each (OpenAI's array prompt)."""
     prompt = given.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts; one per request", "prompt")
-        prompt = prompt[0]
-    if prompt is None or not isinstance(prompt, (str, list)):
-        raise ApiError(400, "prompt must be a str or a list of token ids", "prompt")
-    return prompt
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if many else [prompt]
+    for p in prompts:
+        if not isinstance(p, (str, list)) or (many and isinstance(p, list) and not p):
+            raise ApiError(
+                400, "prompt must be a str, a list of token ids, or a non-empty list of them "
+                "(one choice each)", "prompt",
+            )  # fmt: skip
+    return prompts
 
 
 def _messages(given: dict) -> list:
-    """The chat's messages, with OpenAI's text content parts joined into one str."""
+    """The chat's messages; the engine checks each (rheo_engine.io.chat_template's
+    check_messages takes OpenAI's forms: name, developer, null and text-part content)."""
     messages = given.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", "messages")
-    out = []
-    for message in messages:
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            parts = message["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
-                raise ApiError(400, "only text content parts are supported", "messages")
-            message = {**message, "content": "".join(str(p.get("text", "")) for p in parts)}
-        out.append(message)
-    return out
+    return messages
 
 
-def parse(body: dict, chat: bool, context: int) -> tuple[object, int, dict, dict]:
-    """(prompt, max_new_tokens, engine options, given fields) of a request body."""
+def parse(
+    body: dict, chat: bool, context: int, chat_template: str | None = None
+) -> tuple[list, int | None, dict, dict]:
+    """(prompts, max_new_tokens, engine options, given fields) of a request body: one chat
+    (a list of messages) or a completion's prompts. A chat without max_tokens gets
+    max_new_tokens None (what the KV slot holds after the prompt, Scheduler.submit), as vLLM
+    does; a completion 16, as OpenAI's API. Completions are raw text (chat=False), chats go
+    through ``chat_template`` (None: the model's)."""
     table = {**_COMMON, **(_CHAT if chat else _COMPLETION)}
     given = _fields(body, table)
     if given.get("n", 1) != 1 or given.get("best_of", 1) != 1:
@@ -128,12 +130,16 @@ def parse(body: dict, chat: bool, context: int) -> tuple[object, int, dict, dict
     options = {table[k][1]: v for k, v in given.items() if table[k][1] is not None}
     if not chat and "logprobs" in given:  # completions: logprobs = how many alternatives
         options.update(logprobs=True, top_logprobs=given["logprobs"])
+    if chat and chat_template is not None:
+        options["chat_template"] = chat_template
+    if not chat:  # OpenAI's completions take the prompt as it is, whatever the model
+        options["chat"] = False
     limit = given.get("max_completion_tokens", given.get("max_tokens"))
-    max_new = (context if chat else 16) if limit is None else limit
-    if max_new > context:
+    max_new = (None if chat else 16) if limit is None else limit
+    if max_new is not None and max_new > context:
         name = _max_field(given)
         raise ApiError(400, f"{name}={max_new} must be <= the context ({context})", name)
-    return (_messages(given) if chat else _prompt(given)), max_new, options, given
+    return ([_messages(given)] if chat else _prompts(given)), max_new, options, given
 
 
 # --- the engine's errors in the request's spelling -------------------------------------------
@@ -199,7 +205,8 @@ def engine_error(err: ValueError, given: dict, chat: bool) -> ApiError:
 
     message = _option_patterns(tuple(fields)).sub(field, message)
     param = named[0] if named else None
-    if param is None and re.search(r"\bprompt\b", message):
+    if param is None and re.search(r"\bprompt\b" if not chat else r"\b(prompt|messages?)\b",
+                                   message):  # fmt: skip
         param = "messages" if chat else "prompt"
     too_long = "context is" in message or "slot holds" in message
     return ApiError(400, message, param, "context_length_exceeded" if too_long else None)
@@ -234,70 +241,83 @@ def _logprobs(tokenizer, lps: list[TokenLogprob], chat: bool, offset: int = 0) -
 
 
 class Call:
-    """One API call: its id, its response shapes, and its Handle once submitted."""
+    """One API call: its id, its response shapes, and its Handles once submitted (one per
+    choice: a chat's one, or a completion's prompts in order)."""
 
-    def __init__(self, model_name: str, tokenizer, chat: bool, given: dict, handle: Handle) -> None:
+    def __init__(
+        self, model_name: str, tokenizer, chat: bool, given: dict, handles: list[Handle]
+    ) -> None:
         self.model_name, self.tokenizer = model_name, tokenizer
-        self.chat, self.given, self.handle = chat, given, handle
+        self.chat, self.given, self.handles = chat, given, handles
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.want_logprobs = handle.request.logprobs
-        self.offset = 0
+        self.want_logprobs = handles[0].request.logprobs
+        self.offsets = [0] * len(handles)  # completions' text_offset, per choice
 
-    def object(self, choice: dict, chunk: bool, usage: dict | None = None) -> dict:
+    def object(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (
             ".chunk" if chunk and self.chat else ""
         )
         out = {"id": self.id, "object": kind, "created": self.created,
-               "model": self.model_name, "choices": [choice] if choice else []}  # fmt: skip
+               "model": self.model_name, "choices": choices}  # fmt: skip
         if usage is not None:
             out["usage"] = usage
         return out
 
-    def choice(self, text: str, lps: list | None, finish: str | None, chunk: bool) -> dict:
-        """choices[0]: text (completions), message (chat) or delta (a chat chunk)."""
+    def choice(
+        self, index: int, text: str, lps: list | None, finish: str | None, chunk: bool
+    ) -> dict:
+        """choices[index]: text (completions), message (chat) or delta (a chat chunk)."""
         if not self.chat:
-            choice: dict = {"index": 0, "text": text}
+            choice: dict = {"index": index, "text": text}
         elif chunk:
-            choice = {"index": 0, "delta": {"content": text} if text else {}}
+            choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
         logprobs = None
         if self.want_logprobs and lps is not None:
-            logprobs = _logprobs(self.tokenizer, lps, self.chat, self.offset)
-            self.offset += sum(len(t) for t in logprobs.get("tokens", []))
+            logprobs = _logprobs(self.tokenizer, lps, self.chat, self.offsets[index])
+            self.offsets[index] += sum(len(t) for t in logprobs.get("tokens", []))
         return {**choice, "logprobs": logprobs, "finish_reason": finish}
 
     def usage(self) -> dict:
-        prompt, done = len(self.handle.request.prompt_ids), len(self.handle.result(0).token_ids)
+        prompt = sum(len(h.request.prompt_ids) for h in self.handles)
+        done = sum(len(h.result(0).token_ids) for h in self.handles)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def whole(self) -> dict:
-        gen = self.handle.result(0)
-        choice = self.choice(gen.text, gen.logprobs or [], _FINISH[gen.stop_reason], False)
-        return self.object(choice, False, self.usage())
+        choices = []
+        for index, handle in enumerate(self.handles):
+            gen = handle.result(0)
+            choices.append(self.choice(index, gen.text, gen.logprobs or [],
+                                       _FINISH[gen.stop_reason], False))  # fmt: skip
+        return self.object(choices, False, self.usage())
 
     async def events(self):
-        """The server-sent events of a streamed call, ending with data: [DONE]."""
+        """The server-sent events of a streamed call, ending with data: [DONE]. Several
+        choices (a completion's prompts) decode together; their chunks are sent one choice
+        after the other, each carrying its index, as OpenAI's clients accept."""
 
         def event(obj: dict) -> bytes:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         try:
-            if self.chat:  # OpenAI's first chunk names the role
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}  # fmt: skip
-                yield event(self.object(first, True))
-            async for steps in self.handle.batches():  # the steps since the last chunk
-                text = "".join(step.text for step in steps)
-                logprobs = [lp for step in steps for lp in step.logprobs]
-                if text or logprobs:
-                    yield event(self.object(self.choice(text, logprobs, None, True), True))
-            gen = self.handle.result(0)
-            yield event(self.object(self.choice("", None, _FINISH[gen.stop_reason], True), True))
+            for index, handle in enumerate(self.handles):
+                if self.chat:  # OpenAI's first chunk names the role
+                    first = {"index": index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}  # fmt: skip
+                    yield event(self.object([first], True))
+                async for steps in handle.batches():  # the steps since the last chunk
+                    text = "".join(step.text for step in steps)
+                    logprobs = [lp for step in steps for lp in step.logprobs]
+                    if text or logprobs:
+                        choice = self.choice(index, text, logprobs, None, True)
+                        yield event(self.object([choice], True))
+                finish = _FINISH[handle.result(0).stop_reason]
+                yield event(self.object([self.choice(index, "", None, finish, True)], True))
             options = self.given.get("stream_options") or {}
             if options.get("include_usage"):
-                yield event(self.object({}, True, self.usage()))
+                yield event(self.object([], True, self.usage()))
         except Cancelled:
             return
         except Exception as err:  # an error past the first byte: the stream's last event

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -39,13 +40,15 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError(_MISSING) from None
 
 MAX_BODY_BYTES = 1_000_000
+_MAX_LEN = re.compile(r"\bmax_len\b(?:=(\d+))?")  # the decoder's name for --max-len
 
 
-async def _watch(receive, handle: Handle) -> None:
-    """Cancel ``handle`` when the client disconnects."""
+async def _watch(receive, handles: list[Handle]) -> None:
+    """Cancel ``handles`` when the client disconnects."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    handle.cancel()
+    for handle in handles:
+        handle.cancel()
 
 
 class _EventStream:
@@ -55,7 +58,7 @@ class _EventStream:
         self.call = call
 
     async def __call__(self, scope, receive, send) -> None:
-        watcher = asyncio.ensure_future(_watch(receive, self.call.handle))
+        watcher = asyncio.ensure_future(_watch(receive, self.call.handles))
         events = self.call.events()
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                    (b"cache-control", b"no-cache")]  # fmt: skip
@@ -68,8 +71,9 @@ class _EventStream:
             pass
         finally:
             watcher.cancel()
-            if not self.call.handle.done:
-                self.call.handle.cancel()
+            for handle in self.call.handles:
+                if not handle.done:
+                    handle.cancel()
             await events.aclose()
 
 
@@ -78,10 +82,12 @@ class Server:
 
     def __init__(
         self, scheduler: Scheduler, model_name: str, api_key: str | None = None,
-        max_body_bytes: int = MAX_BODY_BYTES,
+        max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
     ) -> None:  # fmt: skip
+        """``chat_template``: the template of every chat (None: the model's own, else the
+        built-in that fits; rheo_engine.io.tokenizer); completions are raw text."""
         self.scheduler, self.model_name, self.api_key = scheduler, model_name, api_key
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.chat_template = max_body_bytes, chat_template
         self.tokenizer = scheduler.engine.tokenizer
         self.context = scheduler.engine.target.cfg.max_position_embeddings
         routes = [
@@ -133,30 +139,49 @@ class Server:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         self._auth(request)
-        prompt, max_new, options, given = parse(await self._body(request), chat, self.context)
+        body = await self._body(request)
+        prompts, max_new, options, given = parse(body, chat, self.context, self.chat_template)
         if given.get("model", self.model_name) != self.model_name:
             raise ApiError(404, f"model {given['model']!r} does not exist; this server serves "
                            f"{self.model_name!r}", "model", "model_not_found")  # fmt: skip
+        handles: list[Handle] = []
         try:  # tokenizing runs off the event loop; Request checks every option there
-            submit = self.scheduler.submit
-            handle = await asyncio.to_thread(submit, prompt, max_new, **options)
-        except QueueFull as err:
-            raise ApiError(429, str(err)) from None
-        except ValueError as err:  # in the engine's spelling: said in the request's
-            raise engine_error(err, given, chat) from None
-        call = Call(self.model_name, self.tokenizer, chat, given, handle)
+            for prompt in prompts:  # a completion's prompts decode together, one choice each
+                submit = self.scheduler.submit
+                handles.append(await asyncio.to_thread(submit, prompt, max_new, **options))
+        except (QueueFull, ValueError) as err:
+            for handle in handles:
+                handle.cancel()
+            if isinstance(err, QueueFull):
+                raise ApiError(429, str(err)) from None
+            raise self._error(err, given, chat) from None
+        call = Call(self.model_name, self.tokenizer, chat, given, handles)
         if given.get("stream"):
             return _EventStream(call)  # type: ignore[return-value]  (an ASGI app: Route calls it)
-        watcher = asyncio.ensure_future(_watch(request.receive, handle))
+        watcher = asyncio.ensure_future(_watch(request.receive, handles))
         try:
-            await handle.aresult()
+            for handle in handles:
+                await handle.aresult()
         except Cancelled:
             return Response(status_code=499)  # the client is gone: nobody reads this
         except ValueError as err:
-            raise engine_error(err, given, chat) from None
+            raise self._error(err, given, chat) from None
         finally:
             watcher.cancel()
+            for handle in handles:
+                if not handle.done:
+                    handle.cancel()
         return JSONResponse(call.whole())
+
+    @staticmethod
+    def _error(err: ValueError, given: dict, chat: bool) -> ApiError:
+        """The engine's error in the request's spelling, and the KV slot's rows (the
+        Scheduler's max_len=N) as this server's flag, --max-len N."""
+        error = engine_error(err, given, chat)
+        error.message = _MAX_LEN.sub(
+            lambda m: "--max-len" + (f" {m.group(1)}" if m.group(1) else ""), error.message
+        )
+        return error
 
 
 async def _api_error(request: Request, err: ApiError) -> Response:
@@ -171,13 +196,24 @@ async def _server_error(request: Request, err: Exception) -> Response:
     return await _api_error(request, ApiError(500, f"{type(err).__name__}: {err}"))
 
 
+def kv_line(scheduler: Scheduler) -> str:
+    """The KV memory the server took at start, as its log says it."""
+    pool = scheduler.decoder.pool
+    slot_mib = (pool.k.nbytes + pool.v.nbytes) / pool.slots / 2**20
+    return (
+        f"KV cache: {pool.slots} slots (--max-batch) x {scheduler.decoder.max_len} rows "
+        f"(--max-len) = {slot_mib * pool.slots:.0f} MiB, {slot_mib:.0f} MiB per slot; a chat "
+        "without max_tokens may generate what its slot holds after the prompt"
+    )
+
+
 def default_model_name(target: str | None) -> str:
     return "rheo-default" if target is None else Path(target).resolve().name
 
 
 # The Python options the command line takes as flags (their errors name the flag).
-SERVE_OPTIONS = ("target", "draft", "device", "pair", "max_queue", "max_batch", "max_len",
-                 "tensor_parallel")  # fmt: skip
+SERVE_OPTIONS = ("target", "draft", "device", "dtype", "pair", "threads", "max_queue",
+                 "max_batch", "max_len", "tensor_parallel", "chat_template")  # fmt: skip
 
 
 class BadAddress(ValueError):
@@ -232,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     ("error: ..."), as rheo_engine.entrypoints.generate does."""
     import uvicorn
 
-    from rheo_engine.entrypoints.generate import _Parser, cli_spelling
+    from rheo_engine.entrypoints.generate import _DTYPES, _Parser, cli_spelling
     from rheo_engine.runtime.engine import Engine
     from rheo_engine.runtime.pairs import PAIRS
     from rheo_engine.runtime.tp import launched_rank
@@ -244,6 +280,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", help="HF Llama directory or .gguf file (default: embedded pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default: the embedded pair)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="the target's dtype (default: its checkpoint's)")  # fmt: skip
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads (default: 1 for targets below 1B parameters, else "
+                   "torch's default), as in rheo_engine.generate")  # fmt: skip
+    p.add_argument("--chat-template", metavar="NAME",
+                   help="the template of every chat completion: model (the target's own; the "
+                   "default when it has one), vicuna_v1.1 or llama-3; completions are raw "
+                   "text")  # fmt: skip
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the target over N ranks (started here, or by torchrun); rank 0 "
                    "serves, the others follow its steps")  # fmt: skip
@@ -256,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together (continuous batching); KV slots")  # fmt: skip
     p.add_argument("--max-len", type=int, default=None,
-                   help="rows per KV slot (default: the context, at most 4096)")  # fmt: skip
+                   help="rows per KV slot: a request's prompt + max_tokens must fit (default: "
+                   "the context, at most 4096); the KV memory, taken at start, is --max-batch x "
+                   "--max-len rows, logged at start")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     args = p.parse_args(argv)
 
@@ -267,21 +314,28 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--max-body-bytes {args.max_body_bytes} must be >= 1 (a request body's bytes)")
     if args.tensor_parallel < 1:
         fail(f"--tensor-parallel {args.tensor_parallel} must be >= 1 (1: one device)")
+    if args.threads is not None and args.threads < 1:
+        fail(f"--threads {args.threads} must be >= 1; pass 1 or more CPU threads")
     try:
         # Under torchrun only rank 0 listens; the other ranks follow it inside from_pretrained.
         sock = listen_socket(args.host, args.port) if launched_rank() == 0 else None
     except BadAddress as err:
         fail(str(err))
     try:
-        engine = Engine.from_pretrained(args.target, args.draft, args.device, pair=args.pair,
-                                        tensor_parallel=args.tensor_parallel)  # fmt: skip
+        dtype = None if args.dtype is None else _DTYPES[args.dtype]
+        engine = Engine.from_pretrained(
+            args.target, args.draft, args.device, dtype, args.pair, args.threads,
+            tensor_parallel=args.tensor_parallel,
+        )  # fmt: skip
+        if args.chat_template is not None:  # an unknown name fails here, not at the first chat
+            engine.tokenizer.render_chat(["hi"], args.chat_template)
         scheduler = Scheduler(engine, args.max_queue, args.max_batch, args.max_len)
     except (ValueError, OSError) as err:
         if sock is not None:
             sock.close()
         fail(str(err))
     name = args.served_model_name or args.pair or default_model_name(args.target)
-    server = Server(scheduler, name, args.api_key, args.max_body_bytes)
+    server = Server(scheduler, name, args.api_key, args.max_body_bytes, args.chat_template)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -289,9 +343,9 @@ def main(argv: list[str] | None = None) -> None:
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
-                logging.getLogger("uvicorn.error").info(
-                    "Uvicorn running on %s (Press CTRL+C to quit); serving %r", url, name
-                )
+                log = logging.getLogger("uvicorn.error")
+                log.info("Uvicorn running on %s (Press CTRL+C to quit); serving %r", url, name)
+                log.info("%s", kv_line(scheduler))
 
     try:
         Uvicorn(uvicorn.Config(server.app, host=args.host, port=port)).run(sockets=[sock])

@@ -99,8 +99,11 @@ class ChatTemplate:
 
 
 def check_messages(messages: Any) -> list[Message]:
-    """OpenAI-style messages, checked: a non-empty list of {"role", "content": str} dicts with
-    role system, user or assistant. Returns plain dict copies."""
+    """OpenAI-style messages, checked: a non-empty list of {"role", "content"} dicts with role
+    system, user or assistant, and an optional "name" (kept for templates that use it). As
+    OpenAI's API takes them: role "developer" is a system message; content may be a list of
+    text parts ({"type": "text", "text": str}, joined with newlines as vLLM joins them); an
+    assistant's content may be null or absent (""). Returns plain dict copies."""
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(
             "messages must be a non-empty list of {'role': 'system'|'user'|'assistant', "
@@ -108,22 +111,55 @@ def check_messages(messages: Any) -> list[Message]:
         )
     checked = []
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-            keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+        if not isinstance(message, Mapping):
             raise ValueError(
-                f"message {index} must be a dict with exactly the keys 'role' and 'content', "
-                f"got {keys}"
+                f"message {index} must be a dict with the keys 'role' and 'content', got "
+                f"{type(message).__name__}"
             )
-        role, content = message["role"], message["content"]
+        role = message.get("role")
+        role = "system" if role == "developer" else role  # OpenAI's name for it since o1
         if role not in ROLES:
-            raise ValueError(f"message {index} has role {role!r}; roles are {', '.join(ROLES)}")
-        if not isinstance(content, str):
             raise ValueError(
-                f"message {index} content must be a str, got {type(content).__name__} (content "
-                "parts such as images are not supported)"
+                f"message {index} has role {role!r}; roles are {', '.join(ROLES)} (and developer, "
+                "read as system)"
             )
-        checked.append({"role": role, "content": content})
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra or ("content" not in message and role != "assistant"):
+            raise ValueError(
+                f"message {index} must be a dict with the keys 'role' and 'content' (and "
+                f"optionally 'name'), got {sorted(message)}"
+            )
+        content = _content(index, role, message.get("content"))
+        out = {"role": role, "content": content}
+        if message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise ValueError(f"message {index} name must be a str, got {message['name']!r}")
+            out["name"] = message["name"]
+        checked.append(out)
     return checked
+
+
+def _content(index: int, role: str, content: Any) -> str:
+    """A message's content as one str: a str, a list of text parts, or (assistant) null."""
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":  # an assistant turn that only called tools
+        return ""
+    if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+        texts = []
+        for n, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"message {index} content part {n} is {kind!r}; only text parts "
+                    "({'type': 'text', 'text': str}) are supported: the engine reads text only"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(
+        f"message {index} content must be a str or a list of text parts, got "
+        f"{type(content).__name__}"
+    )
 
 
 def turns_to_messages(turns: Sequence[str], system: str | None) -> list[Message]:

@@ -4,11 +4,13 @@ An Engine holds a target, an optional EAGLE-3 head, the tokenizer and the target
 generation_config.json. Every call ends in one decoder (rheo_engine.runtime.decoder.BatchDecoder)
 and its one step function: a prompt is a batch of one, a list of prompts a batch, and agenerate /
 astream (and the server) feed the scheduler's decoder. Two engines in one process share the
-read-only kernels and torch's thread count (the engine sets it, see ``from_pretrained``).
+read-only kernels. An engine computes on ``engine.threads`` CPU threads and leaves the caller's
+``torch.set_num_threads`` as it was (``engine_threads``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +20,7 @@ import torch
 
 from rheo_engine.io.generation_config import GenerationDefaults
 from rheo_engine.io.gguf import is_gguf, read_gguf
-from rheo_engine.io.tokenizer import Tokenizer
+from rheo_engine.io.tokenizer import MODEL_TEMPLATE, Tokenizer
 from rheo_engine.machine import default_threads
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel, parameter_count
@@ -83,9 +85,11 @@ class Engine:
         head: Eagle3Head | None,
         tokenizer: Tokenizer,
         generation_config: GenerationDefaults | None = None,
+        threads: int | None = None,
     ) -> None:
         """``target.tp``: its TPGroup when it is this rank's part of a tensor-parallel target
-        (``from_pretrained(tensor_parallel=N)`` makes them)."""
+        (``from_pretrained(tensor_parallel=N)`` makes them). ``threads``: the CPU threads the
+        engine computes on (None: whatever the calling thread has)."""
         if tokenizer.vocab_size > target.cfg.vocab_size:
             raise ValueError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the target's vocab_size is "
@@ -99,7 +103,10 @@ class Engine:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys((*tokenizer.eos_ids, *extra)))
         # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
         self.cost_profiles: dict[str, CostProfile] = {}
-        self.threads = torch.get_num_threads()  # what from_pretrained chose (CPU, per rank)
+        # The CPU threads of every call (per rank; engine_threads), or None: the caller's.
+        self.threads: int | None = threads
+        self.pair: str | None = None  # the named pair it was loaded as (from_pretrained)
+        self.source: str | None = None  # the target's path (from_pretrained)
         self.tp: TPGroup | None = target.tp  # tensor parallel: this rank's group
         self.tensor_parallel = 1 if self.tp is None else self.tp.size
         self._scheduler: Scheduler | None = None
@@ -125,10 +132,13 @@ class Engine:
         checked first: one that torch or this build cannot use is a ValueError listing those
         that are available.
 
-        ``threads``: torch's CPU threads (process-wide, ``torch.set_num_threads``) for a CPU
-        engine; None chooses as the CLI does: 1 below 1B target parameters (a small model is
-        bound by per-operator overhead, and threads that spin on a shared core made it up to
-        30x slower), else torch's default. ``engine.threads`` says what was set.
+        ``threads``: the CPU threads the engine computes on; None chooses as the CLI does: 1
+        below 1B target parameters (a small model is bound by per-operator overhead, and
+        threads that spin on a shared core made it up to 30x slower), else the caller's
+        ``torch.get_num_threads()``. ``engine.threads`` says which. The engine sets it only
+        while it computes, in the thread that computes (a call's, or the scheduler's worker),
+        and restores the caller's count after each call (``engine_threads``): a caller's
+        ``torch.set_num_threads`` stays as it was.
 
         ``tensor_parallel=N`` (N > 1) splits the target over N ranks (rheo_engine.runtime.tp):
         started here as N - 1 more processes (or the processes torchrun started: code after
@@ -163,12 +173,27 @@ class Engine:
             raise ValueError("tp_check=True compares tensor-parallel ranks; pass tensor_parallel")
         if tensor_parallel > 1:
             check = os.environ.get("RHEO_TP_CHECK", "0") == "1" if tp_check is None else tp_check
-            return tensor_parallelism.start(
+            engine = tensor_parallelism.start(
                 _load, (str(target), None if draft is None else str(draft),
                         None if dtype is None else str(dtype).replace("torch.", "")),
                 tensor_parallel, target, device, threads, check,
             )  # fmt: skip
-        return _load(None, device, threads, target, draft, dtype)
+        else:
+            engine = _load(None, device, threads, target, draft, dtype)
+        engine.pair = pair or ("default" if Path(target) == DEFAULT_PAIR / "target" else None)
+        engine.source = str(target)
+        return engine
+
+    def __repr__(self) -> str:
+        cfg, dev = self.target.cfg, self.target.device
+        name = f"pair={self.pair!r}" if self.pair else f"target={self.source!r}"
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        tp = f", tensor_parallel={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return (
+            f"Engine({name}, dtype={str(self.target.dtype).replace('torch.', '')}, "
+            f"device={str(dev)!r}, threads={threads}{tp}, head={self.head is not None}, "
+            f"context={cfg.max_position_embeddings})"
+        )
 
     def context(self) -> RequestContext:
         """What a request needs from this engine (rheo_engine.runtime.request)."""
@@ -198,8 +223,9 @@ class Engine:
         if is_batch(prompt):
             return self._generate_batch(list(prompt), max_new_tokens, **options)
         request = self.request(prompt, max_new_tokens, **options)
-        for _ in request:
-            pass
+        with engine_threads(self.threads):
+            for _ in request:
+                pass
         assert request.result is not None
         return request.result
 
@@ -215,8 +241,14 @@ class Engine:
         head = self.head if request.drafts else None
         decoder = BatchDecoder(self.target, head, 1, solo_rows(request), self.cost_profiles,
                                self.tp)  # fmt: skip
+        steps = decoder.run_one(request)
         try:
-            yield from decoder.run_one(request)
+            while True:  # the engine's threads for each step, the caller's between steps
+                with engine_threads(self.threads):
+                    ids = next(steps, None)
+                if ids is None:
+                    return
+                yield ids
         finally:
             decoder.close()
 
@@ -237,7 +269,8 @@ class Engine:
         ]
         decoder = self.decoder(max_batch=min(max_batch, len(requests)))
         try:
-            return decoder.run(requests)
+            with engine_threads(self.threads):
+                return decoder.run(requests)
         finally:
             decoder.close()
 
@@ -250,10 +283,12 @@ class Engine:
         presence_penalty=0, frequency_penalty=0; stop=None (a str or a list of str),
         ignore_eos=False, min_new_tokens=0, logprobs=False, top_logprobs=0; seed=None; the tree
         topk=10, depth=8, total_tokens=60, leads=1, support=128, tree="auto",
-        cost_profile=None; chat=False (wrap a str prompt in the chat template) and
+        cost_profile=None; chat=None (wrap a str prompt in the chat template: by default when
+        the target has its own template, see ``default_chat``; True or False to say) and
         chat_template=None (the target's own template, else the built-in fallback; or name one:
         "model", "vicuna_v1.1", "llama-3"). ``prompt`` may also be token ids, or a chat as
-        OpenAI-style messages [{"role": "user", "content": ...}, ...].
+        OpenAI-style messages [{"role": "user", "content": ...}, ...] (OpenAI's forms: "name",
+        the "developer" role, null assistant content and text-part lists).
 
         ``tree="auto"`` (the default) lets a cost model measured on this machine pick each
         step's tree (depth <= depth, nodes <= total_tokens, topk as given) or a plain step when
@@ -302,10 +337,44 @@ class Engine:
             if step.text:
                 yield step.text
 
-    def request(self, prompt: str | list[int], max_new_tokens: int = 128, **options) -> Request:
+    def request(
+        self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool | None = None,
+        **options,
+    ) -> Request:  # fmt: skip
         """A generation to iterate step by step: yields each step's new token ids; afterwards
-        ``.result`` holds the Generation. Arguments are checked here, before any work."""
-        return Request(self.context(), prompt, max_new_tokens, **options, run=self._run_alone)
+        ``.result`` holds the Generation. Arguments are checked here, before any work.
+        ``chat=None``: ``default_chat`` decides whether a str prompt goes through the template."""
+        if chat is None:
+            chat = default_chat(self.tokenizer, options.get("chat_template"))
+        return Request(self.context(), prompt, max_new_tokens, chat=chat, **options,
+                       run=self._run_alone)  # fmt: skip
+
+
+@contextlib.contextmanager
+def engine_threads(threads: int | None) -> Iterator[None]:
+    """Torch's CPU threads at ``threads`` inside, the calling thread's count restored after
+    (None: leave it). With OpenMP the count is per OS thread, so this touches only the thread
+    that computes: a caller's own torch.set_num_threads is what it finds again after a call."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def default_chat(tokenizer: Tokenizer, chat_template: str | None = None) -> bool:
+    """Whether a str prompt goes through the chat template when the caller says neither
+    chat=True nor chat=False: yes when the target carries its own template (an instruct model:
+    chat_template in tokenizer_config.json, chat_template.jinja, or the GGUF's
+    tokenizer.chat_template) or a template is named; no for a base model, whose built-in
+    templates (vicuna_v1.1, llama-3) serve chat=True only. An instruct model given raw text
+    may answer nothing at all (SmolLM2-Instruct ends at once at T = 0); chat=False opts out.
+    The CLI follows the same rule; the server's completions are raw text, as OpenAI's are."""
+    return chat_template is not None or tokenizer.default_chat_template == MODEL_TEMPLATE
 
 
 def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target, draft,
@@ -322,7 +391,10 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
         tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
     # The head in the target's dtype unless told (None: the same), as a dtype or its name.
     head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, model.dtype)
+    n_threads = None
     if device.type == "cpu":
         total = threads or default_threads(parameter_count(model.cfg))
-        torch.set_num_threads(max(1, total // (1 if tp is None else tp.size)))
-    return Engine(model, head, tokenizer, defaults)
+        n_threads = max(1, total // (1 if tp is None else tp.size))
+        if tp is not None and not tp.leader:  # a rank's own process: it only follows rank 0
+            torch.set_num_threads(n_threads)
+    return Engine(model, head, tokenizer, defaults, n_threads)

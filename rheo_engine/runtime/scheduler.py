@@ -230,12 +230,19 @@ class Scheduler:
         self._worker = threading.Thread(target=self._work, name="rheo-scheduler", daemon=True)
         self._worker.start()
 
-    def submit(self, prompt, max_new_tokens: int = 128, **options) -> Handle:
+    def submit(self, prompt, max_new_tokens: int | None = 128, **options) -> Handle:
         """Queue a request (arguments as Engine.request; checked here, in the caller's thread:
-        a bad one raises ValueError at once). Raises QueueFull when max_queue are waiting."""
+        a bad one raises ValueError at once). Raises QueueFull when max_queue are waiting.
+
+        ``max_new_tokens=None``: as many as a slot holds after the prompt (``max_len`` rows
+        minus the prompt's), as vLLM's max_tokens defaults to its max_model_len minus the
+        prompt; the server's chat completions without max_tokens ask for this."""
         if not self._worker.is_alive() or self._closing:
             raise RuntimeError("the scheduler is closed")
-        request = self.engine.request(prompt, max_new_tokens, **options)
+        if max_new_tokens is None:
+            request = self._fill_slot(prompt, options)
+        else:
+            request = self.engine.request(prompt, max_new_tokens, **options)
         self.decoder.check(request)
         handle = Handle(request)
         try:
@@ -246,6 +253,17 @@ class Scheduler:
                 "retry later"
             ) from None
         return handle
+
+    def _fill_slot(self, prompt, options: dict) -> Request:
+        """The request for ``prompt`` with max_new_tokens = the slot's rows after the prompt:
+        tokenized once with the most a slot could give, then made again from its ids (no
+        template to apply) with the rows actually left (at least 1; check refuses a prompt
+        that fills the slot)."""
+        first = self.engine.request(prompt, self.decoder.max_len, **options)
+        left = max(1, self.decoder.max_len - len(first.prompt_ids))
+        again = {k: v for k, v in options.items() if k not in ("chat", "chat_template")}
+        again["seed"] = first.seed  # the seed drawn for the first, if none was given
+        return self.engine.request(first.prompt_ids, left, **again)
 
     @property
     def waiting(self) -> int:
@@ -285,6 +303,11 @@ class Scheduler:
     # --- the worker ---------------------------------------------------------------------------
 
     def _work(self) -> None:
+        # The engine's CPU threads in its own worker thread (per OS thread with OpenMP: the
+        # threads that submit keep their count; Engine.threads, None: as it is).
+        threads = getattr(self.engine, "threads", None)
+        if threads is not None:
+            torch.set_num_threads(threads)
         seqs: dict[int, tuple[SeqState, Handle]] = {}
         while True:
             # Admit while there is room; block for work only when nothing runs.
