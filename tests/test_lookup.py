@@ -512,3 +512,51 @@ def test_device_merge_equals_the_host_merge(seed):
             carried[int(lookup_of[0, flat])] = True
     want_carried = {host.lookup_of[f] for f in want.cand_index[0, 1:].tolist() if f in host.lookup_of}
     assert set(carried) == want_carried
+
+
+# --- 8. end to end: G-tests through the engine, lookup branches accepted ------------------------
+
+# Code that repeats: after "self." the context holds "x = x" and "y = y" continuations, so
+# lookup drafts (and, with "both", the head's) are tried and accepted in about half the runs at
+# T = 1, and the next two tokens are far from deterministic.
+G_PROMPT = "self.x = x\n        self.y = y\n        self.x = x\n        self.y = y\n        self.x = x\n        self."
+G_LOOKUP_TREE = dict(topk=4, depth=2, total_tokens=10, tree="fixed")
+
+
+@pytest.mark.parametrize(
+    "drafts, T, top_p", [("lookup", 1.0, 1.0), ("both", 1.0, 1.0), ("lookup", 0.7, 0.9)]
+)
+def test_first_two_tokens_follow_the_target_with_lookup(engine32, drafts, T, top_p):
+    from test_engine import G_RUNS, first_two_law, law_p_value, sample_first_two
+
+    ids = engine32.tokenizer.encode(G_PROMPT)
+    runs = G_RUNS
+    pairs, accepts = sample_first_two(engine32, ids, "rheo", T, top_p, runs,
+                                      dict(G_LOOKUP_TREE, drafts=drafts))  # fmt: skip
+    law, resolved = first_two_law(engine32, ids, T, top_p, runs)
+    assert law_p_value(law, resolved, pairs) > 1e-4
+    assert sum(a > 1 for a in accepts) > runs // 4, "drafts rarely accepted: weak test"
+    if drafts == "lookup":  # the negative control: another temperature's law is rejected
+        wrong, resolved = first_two_law(engine32, ids, 0.85 * T, top_p, runs)
+        assert law_p_value(wrong, resolved, pairs) < 1e-5
+
+
+def test_a_sequences_own_steps_correct_the_costs():
+    """At a long context every row costs more than the machine's profile (measured at another
+    length) says: the steps' own times move the choice to plain steps, and back."""
+    from rheo_engine.runtime.lookup_policy import LocalCosts
+
+    index = LookupIndex([0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2])
+    stats = LookupStats()
+    for _ in range(30):
+        stats.observe([(3, d, d < 3) for d in range(1, 5)])  # ~2 tokens held a step
+    cands = candidates(index, stats, 8, 4)
+    local = LocalCosts(flat_costs())
+    assert choose_nodes(cands, local, 100, 100, 60)[0] > 2
+    for _ in range(6):  # trees of 6 rows take 8 plain steps' time here
+        local.observe(1, 1.0)
+        local.observe(6, 8.0)
+    assert choose_nodes(cands, local, 100, 100, 60)[0] == 1
+    for _ in range(12):
+        local.observe(6, 1.1)
+    assert choose_nodes(cands, local, 100, 100, 60)[0] > 2

@@ -41,6 +41,7 @@ from rheo_engine.models.kv_cache import SlotBatch
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.parallel import TPGroup
 from rheo_engine.runtime.lookup_policy import (
+    LocalCosts,
     StepCosts,
     cached_costs,
     choose_nodes,
@@ -114,6 +115,8 @@ class SeqState:
     # tokens the head's part of a tree yields a step (decayed mean; lookup's nodes must beat it).
     head_cfg: TreeConfig | None = None
     head_tokens: float = 1.0
+    # the machine's measured step costs as this sequence's own steps correct them
+    local: LocalCosts | None = None
 
 
 def _outcome_row(outcome: Outcome, b: int) -> Outcome:
@@ -471,7 +474,10 @@ class BatchDecoder:
         for s in seqs:
             cfg = s.request.tree_cfg
             s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk)
-            n, depth = choose_nodes(s.cands, costs, room(s), wanted(s), cfg.total_tokens)
+            if costs is not None and (s.local is None or s.local.costs is not costs):
+                s.local = LocalCosts(costs)
+            n, depth = choose_nodes(s.cands, s.local if costs else None, room(s), wanted(s),
+                                    cfg.total_tokens)  # fmt: skip
             if n == 1:
                 plain.append(s)
             else:
@@ -508,15 +514,21 @@ class BatchDecoder:
             room_left = min(map(room, part))
             # the merged tree's candidates hold at least the head's: never more nodes than those
             head_room = max_tree_size(head.topk, head.depth) - head.total_tokens
-            extra = 0
+            extras: dict[int, list[SeqState]] = {}
             for s in part:
                 tc = s.request.tree_cfg
                 s.cands, s.head_cfg = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk), head
                 n = extra_nodes(s.cands, costs, head.total_tokens, s.head_tokens, base_s,
-                                room_left, wanted(s), tc.depth if fixed else head_room)  # fmt: skip
-                extra = max(extra, min(n, head_room))
-            cfg = dataclasses.replace(head, total_tokens=head.total_tokens + extra)
-            parts.append((part, cfg, policy))
+                                room_left if not fixed else room(s), wanted(s),
+                                tc.depth if fixed else head_room)  # fmt: skip
+                extras.setdefault(min(n, head_room), []).append(s)
+            if not fixed:  # the auto tree is the batch's: the most any sequence adds
+                extras = {max(extras): part}
+            # A fixed tree: each sequence's own count, as alone (a request gives its solo
+            # tokens in any batch), so sequences that differ run as separate batches.
+            for extra, seqs_e in extras.items():
+                cfg = dataclasses.replace(head, total_tokens=head.total_tokens + extra)
+                parts.append((seqs_e, cfg, policy))
         return parts
 
     def _lookup_costs(self, seq: SeqState) -> StepCosts:
@@ -592,6 +604,8 @@ class BatchDecoder:
         seconds = time.perf_counter() - start
         predicted = getattr(policy, "predicted_s", None)
         out = []
+        if alone and len(seqs) == 1 and seqs[0].local is not None:
+            seqs[0].local.observe(cfg.total_tokens if cfg.method != "ar" else 1, seconds)
         for b, s in enumerate(seqs):
             r, row = s.request, _outcome_row(result.outcome, b)
             seen = row  # what the tree policy observes: the head's own nodes

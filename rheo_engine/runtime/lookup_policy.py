@@ -52,6 +52,34 @@ class StepCosts:
         return self.step_s[lo] * (1 - w) + self.step_s[hi] * w
 
 
+@dataclass
+class LocalCosts:
+    """One sequence's step costs: the machine's (StepCosts) corrected by what its own steps
+    took. A long context makes every row dearer (attention reads the whole prefix), which a
+    profile measured at another length cannot know (DESIGN §2.7: a measured cost is evidence).
+    cost(n) = cost(1) * plain + (cost(n) - cost(1)) * rows: ``plain`` from its plain steps,
+    ``rows`` (the marginal row's factor) from its tree steps, each a decayed mean."""
+
+    costs: StepCosts
+    plain: float = 1.0
+    rows: float = 1.0
+    KEEP = 0.7  # weight of the past in each mean
+
+    def cost(self, n: int) -> float:
+        one = self.costs.cost(1)
+        return one * self.plain + (self.costs.cost(n) - one) * self.rows
+
+    def observe(self, n: int, seconds: float) -> None:
+        one = self.costs.cost(1)
+        if n == 1:
+            self.plain = self.KEEP * self.plain + (1 - self.KEEP) * seconds / one
+            return
+        extra = self.costs.cost(n) - one
+        if extra > 0:
+            rows = max(0.25, (seconds - one * self.plain) / extra)
+            self.rows = self.KEEP * self.rows + (1 - self.KEEP) * rows
+
+
 def monotone(values: dict[int, float]) -> dict[int, float]:
     """The running maximum in n: a step over more rows never costs less than one over fewer
     (a measurement that says so saw noise, DESIGN §2.7)."""
@@ -113,7 +141,7 @@ def costs_key(target_cfg, device: torch.device, dtype: torch.dtype, tensor_paral
     )
 
 
-def choose_nodes(cands: Candidates, costs: StepCosts | None, room: int, wanted: int,
+def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: int, wanted: int,
                  max_nodes: int) -> tuple[int, int]:  # fmt: skip
     """(N, depth) of the step: the N <= min(room, max_nodes) maximising (1 + E[accepted]) /
     cost(N) over the candidates no deeper than wanted - 1; (1, 0), a plain step, when no tree
