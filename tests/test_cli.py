@@ -171,8 +171,10 @@ BAD_INPUT = [
     (["--device", "bogus"], "--device bogus is not a device name torch knows; available: cpu"),
     (["--device", "cuda:7"], "--device cuda:7 is not available"),
     (["--draft", str(DRAFT)], "--draft was given without --target"),
-    (["--target", str(TARGET)], "--method rheo needs a draft head; load one with --draft DIR or "
-                                "use --method ar"),
+    (["--target", str(TARGET), "--drafts", "head"], "--drafts head needs a draft head and none "
+                                                    "is loaded; load one with --draft DIR, or "
+                                                    "draft from the context with --drafts lookup"),
+    (["--drafts", "trie"], "argument --drafts: invalid choice: 'trie'"),
     (["--target", "/nowhere"], "model directory /nowhere not found"),
     (["--target", str(TARGET / "config.json")], "is a file, not a directory"),
     (["--target", str(DRAFT)], "is an EAGLE-3 head's (architectures=['LlamaForCausalLMEagle3']), "

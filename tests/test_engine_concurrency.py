@@ -90,7 +90,7 @@ def test_threads_submitting_share_batches_and_slots_bound_memory(engine, solo):
         assert got == solo
         assert set(scheduler.batch_sizes) <= {1, 2} and scheduler.batch_sizes[2] > 0
         assert scheduler.decoder.pool.k.shape[1:3] == (2, 201)  # 2 slots of 200 rows (+ scratch)
-        with pytest.raises(ValueError, match=r"needs 2\d\d rows .* a batch slot holds max_len=200"):
+        with pytest.raises(ValueError, match=r"needs 2\d\d rows .* a KV slot holds max_len=200"):
             scheduler.submit(PROMPTS[0], 200)
         assert scheduler.decoder.pool.free_slots == 2
 
