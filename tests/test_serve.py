@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from rheo_engine.entrypoints.serve import Server, main  # noqa: E402
-from rheo_engine.runtime.engine import Engine  # noqa: E402
+from rheo_engine.runtime.engine import DEFAULT_PAIR, Engine  # noqa: E402
 from rheo_engine.runtime.scheduler import Cancelled, Handle, QueueFull, Scheduler, Step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -464,6 +464,10 @@ def test_privileged_port_is_one_line(capsys, monkeypatch):
         (["--threads", "0"], "error: --threads 0 must be >= 1"),
         (["--dtype", "int8"], "error: argument --dtype: invalid choice: 'int8'"),
         (["--chat-template", "chatml"], "error: unknown chat template 'chatml'"),
+        (["--drafts", "trie"], "error: argument --drafts: invalid choice: 'trie'"),
+        (["--target", str(DEFAULT_PAIR / "target"), "--drafts", "both"],
+         "error: --drafts both needs a draft head and none is loaded; load one with --draft "
+         "DIR, or draft from the context with --drafts lookup"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_one_line_in_cli_spelling(capsys, argv, says):
@@ -684,5 +688,40 @@ def test_smollm2_chat_without_max_tokens():
         assert out.choices[0].finish_reason == "stop"
         with pytest.raises(openai.BadRequestError, match="--max-len 4096"):
             s.client.chat.completions.create(model=MODEL, messages=question, max_tokens=8000)
+    finally:
+        _stop(s)
+
+
+# --- issue 31: draft sources -------------------------------------------------------------------
+
+REPEATS = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef"
+
+
+def test_drafts_field_and_server_default(engine):
+    """A body's "drafts" reaches the request, the server's --drafts fills it in when the body
+    names none, and a bad value is a 400 naming the field; greedy text is the engine's."""
+    seen = []
+    scheduler = Scheduler(engine, max_queue=4)
+    submit = scheduler.submit
+
+    def recording(prompt, max_new, **options):
+        seen.append(options.get("drafts"))
+        return submit(prompt, max_new, **options)
+
+    scheduler.submit = recording
+    s = _serving(scheduler, drafts="lookup")
+    try:
+        want = engine.generate(REPEATS, 24, temperature=0, drafts="lookup")
+        got = s.client.completions.create(model=MODEL, prompt=REPEATS, max_tokens=24,
+                                          temperature=0)  # fmt: skip
+        assert got.choices[0].text == want.text
+        s.client.completions.create(model=MODEL, prompt=REPEATS, max_tokens=4, temperature=0,
+                                    extra_body={"drafts": "head"})  # fmt: skip
+        assert seen == ["lookup", "head"]
+        with pytest.raises(openai.BadRequestError) as bad:
+            s.client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                        extra_body={"drafts": "trie"})  # fmt: skip
+        assert "drafts='trie'" in str(bad.value) or '"trie"' in str(bad.value)
+        assert bad.value.body["param"] == "drafts"
     finally:
         _stop(s)

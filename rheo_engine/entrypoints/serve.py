@@ -83,11 +83,15 @@ class Server:
     def __init__(
         self, scheduler: Scheduler, model_name: str, api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
+        drafts: str | None = None,
     ) -> None:  # fmt: skip
         """``chat_template``: the template of every chat (None: the model's own, else the
-        built-in that fits; rheo_engine.io.tokenizer); completions are raw text."""
+        built-in that fits; rheo_engine.io.tokenizer); completions are raw text. ``drafts``:
+        the draft sources of a request whose body names none (None: the engine's default,
+        docs/lookup.md)."""
         self.scheduler, self.model_name, self.api_key = scheduler, model_name, api_key
         self.max_body_bytes, self.chat_template = max_body_bytes, chat_template
+        self.drafts = drafts
         self.tokenizer = scheduler.engine.tokenizer
         self.context = scheduler.engine.target.cfg.max_position_embeddings
         routes = [
@@ -141,6 +145,8 @@ class Server:
         self._auth(request)
         body = await self._body(request)
         prompts, max_new, options, given = parse(body, chat, self.context, self.chat_template)
+        if self.drafts is not None:
+            options.setdefault("drafts", self.drafts)
         if given.get("model", self.model_name) != self.model_name:
             raise ApiError(404, f"model {given['model']!r} does not exist; this server serves "
                            f"{self.model_name!r}", "model", "model_not_found")  # fmt: skip
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     from rheo_engine.entrypoints.generate import _DTYPES, _Parser, cli_spelling
     from rheo_engine.runtime.engine import Engine
     from rheo_engine.runtime.pairs import PAIRS
+    from rheo_engine.runtime.request import DRAFTS
     from rheo_engine.runtime.tp import launched_rank
 
     p = _Parser(prog="python -m rheo_engine.serve", description=__doc__.split("\n")[0])
@@ -289,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="the template of every chat completion: model (the target's own; the "
                    "default when it has one), vicuna_v1.1 or llama-3; completions are raw "
                    "text")  # fmt: skip
+    p.add_argument("--drafts", choices=DRAFTS, default=None,
+                   help="draft sources of requests that name none (a body's \"drafts\" field "
+                   "wins): head, lookup (prompt lookup) or both (the default with a head; "
+                   "lookup without one)")  # fmt: skip
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the target over N ranks (started here, or by torchrun); rank 0 "
                    "serves, the others follow its steps")  # fmt: skip
@@ -329,13 +340,19 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         if args.chat_template is not None:  # an unknown name fails here, not at the first chat
             engine.tokenizer.render_chat(["hi"], args.chat_template)
+        if args.drafts in ("head", "both") and engine.head is None:
+            raise ValueError(
+                f"--drafts {args.drafts} needs a draft head and none is loaded; load one with "
+                "--draft DIR, or draft from the context with --drafts lookup"
+            )
         scheduler = Scheduler(engine, args.max_queue, args.max_batch, args.max_len)
     except (ValueError, OSError) as err:
         if sock is not None:
             sock.close()
         fail(str(err))
     name = args.served_model_name or args.pair or default_model_name(args.target)
-    server = Server(scheduler, name, args.api_key, args.max_body_bytes, args.chat_template)
+    server = Server(scheduler, name, args.api_key, args.max_body_bytes, args.chat_template,
+                    args.drafts)  # fmt: skip
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
