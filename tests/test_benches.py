@@ -554,3 +554,26 @@ def test_tp_quick(context, tmp_path):
     )
     tree = [p for p in data["projection"]["Llama-3.1-8B"] if p["rows"] == 60 and p["n"] == 8]
     assert tree[0]["head_s"] == pytest.approx(roofline.head_floor(1, 1024))
+
+
+# --- bench/lookup.py: the per-category table of prompt lookup --------------------------------
+
+
+def test_lookup_bench_table_on_the_default_pair(tmp_path, capsys):
+    import lookup
+
+    out, md = tmp_path / "lookup.json", tmp_path / "lookup.md"
+    payload = lookup.main(["--pair", "default", "--categories", "extraction", "coding",
+                           "--limit", "1", "--max-new-tokens", "8", "--configs", "ar", "lookup",
+                           "both", "--out", str(out), "--md", str(md)])  # fmt: skip
+    summary = payload["summary"]
+    assert set(summary) == {"extraction", "coding", "all"}
+    for cat in summary.values():
+        assert cat["ar_tokens_per_s"] > 0
+        assert cat["lookup"]["tau"] >= 1.0 and cat["lookup"]["speed"] > 0
+    table = md.read_text()
+    assert table.startswith("# bench=lookup ") and "| **all** |" in table
+    assert "lookup speed" in table and "both τ" in table
+    with pytest.raises(SystemExit):
+        lookup.main(["--configs", "lookup"])  # no baseline: one line, exit 2
+    assert "--configs must include ar" in capsys.readouterr().err
