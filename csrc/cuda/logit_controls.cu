@@ -97,15 +97,27 @@ __global__ void __launch_bounds__(kThreads) logit_controls_kernel(LogitControlsA
     for (int64_t e = threadIdx.x; e < a.E; e += kThreads) row[a.suppress_ids[e]] = banned_logit<T>();
 }
 
+// 16 bytes: PathShared, padded by nvcc.
+RHEO_STATIC_SHARED(16, logit_controls_kernel<float>);
+RHEO_STATIC_SHARED(16, logit_controls_kernel<double>);
+
 }  // namespace
 
 cudaError_t logit_controls_cuda(const LogitControlsArgs& args, cudaStream_t stream) {
   logit_controls_check_scalars(args);
-  RHEO_CHECK(args.N <= 12288, "logit controls on CUDA hold a node's path in shared memory: N = ",
-             args.N, " nodes must be <= 12288");
   const unsigned grid = static_cast<unsigned>(args.B * args.N);
   const size_t smem = static_cast<size_t>(args.N) * sizeof(int32_t);
-  if (args.dtype == DType::kFloat64)
+  const bool f64 = args.dtype == DType::kFloat64;
+  cuda::SharedFit fit;
+  const cudaError_t err = f64 ? cuda::fit_shared(logit_controls_kernel<double>, smem, &fit)
+                              : cuda::fit_shared(logit_controls_kernel<float>, smem, &fit);
+  if (err != cudaSuccess) return err;
+  RHEO_CHECK(fit.fits(), "logit controls on CUDA hold a node's path in shared memory: N=",
+             args.N, " nodes need ", fit.needed(), " bytes a block (", fit.static_bytes,
+             " static + ", smem, " dynamic), over the ", fit.limit, " of GPU ", fit.device,
+             " (cudaDevAttrMaxSharedMemoryPerBlockOptin); use fewer tree nodes (docs/kernels.md "
+             "§7) or apply the controls on the CPU");
+  if (f64)
     logit_controls_kernel<double> RHEO_LAUNCH(grid, kThreads, smem, stream)(args);
   else
     logit_controls_kernel<float> RHEO_LAUNCH(grid, kThreads, smem, stream)(args);

@@ -342,6 +342,12 @@ __global__ void __launch_bounds__(kThreads) pool_sampler_kernel(PoolSamplerArgs 
   if (plan.y >= 0 && plan.y % kThreads == threadIdx.x) static_cast<Acc*>(a.q_sampled)[r] = Acc(q_y);
 }
 
+// radix_select's histogram, gather_support's counts, outside_mass's partials and the RowPlan.
+RHEO_STATIC_SHARED(1232, pool_sampler_kernel<float, float, uint32_t>);
+RHEO_STATIC_SHARED(1232, pool_sampler_kernel<__half, float, uint32_t>);
+RHEO_STATIC_SHARED(1232, pool_sampler_kernel<__nv_bfloat16, float, uint32_t>);
+RHEO_STATIC_SHARED(1232, pool_sampler_kernel<double, double, uint64_t>);
+
 template <typename Src, typename Acc, typename Key>
 cudaError_t launch(const PoolSamplerArgs& a, cudaStream_t stream) {
   pool_sampler_kernel<Src, Acc, Key> RHEO_LAUNCH(static_cast<unsigned int>(a.n), kThreads, 0, stream)(a);

@@ -196,7 +196,10 @@ cudaError_t select_expand_cuda(const SelectExpandArgs& args, cudaStream_t stream
   if (args.B == 0) return cudaSuccess;
   if (args.topk < 1 || args.topk > args.M || args.M > INT32_MAX) return cudaErrorInvalidValue;
   const size_t bytes = static_cast<size_t>(args.M) * sizeof(float);
-  const bool staged = bytes <= kSharedLimit;
+  cuda::SharedFit fit;  // the kernel's static bytes (0 today) count toward the default too
+  const cudaError_t err = cuda::fit_shared(select_expand_kernel, 0, &fit);
+  if (err != cudaSuccess) return err;
+  const bool staged = fit.static_bytes + bytes <= kSharedLimit;
   select_expand_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads, staged ? bytes : 0, stream)(
       args, staged);
   return cudaGetLastError();
@@ -208,8 +211,11 @@ cudaError_t build_tree_cuda(const BuildTreeArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   const size_t leaf_bytes = static_cast<size_t>(args.N);
   const size_t score_bytes = static_cast<size_t>(args.L) * sizeof(float);
-  const bool staged = score_bytes + leaf_bytes <= kSharedLimit;
-  if (leaf_bytes > kSharedLimit) return cudaErrorInvalidValue;  // N > 49152 nodes
+  cuda::SharedFit fit;  // the kernel's static bytes (0 today) count toward the default too
+  const cudaError_t err = cuda::fit_shared(build_tree_kernel, 0, &fit);
+  if (err != cudaSuccess) return err;
+  const bool staged = fit.static_bytes + score_bytes + leaf_bytes <= kSharedLimit;
+  if (fit.static_bytes + leaf_bytes > kSharedLimit) return cudaErrorInvalidValue;  // N > ~49152
   build_tree_kernel RHEO_LAUNCH(static_cast<unsigned>(args.B), kThreads,
                       staged ? score_bytes + leaf_bytes : leaf_bytes, stream)(args, staged);
   return cudaGetLastError();

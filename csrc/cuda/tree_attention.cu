@@ -37,7 +37,7 @@
 // (4 * D FLOP per (query row, key) pair: 8.1 GFLOP per layer at prefix 8192); the next step is
 // tensor cores (bf16 mma), which this file does not use so that the emulator can run it.
 // Resources (ptxas, sm_90): 124 registers at D <= 128 (95 at D <= 64, 154 at D <= 256), no spills;
-// shared memory 76.8 KB at D = 128 (opted in past 48 KB): 2 blocks (16 warps) per SM.
+// shared memory 76.8 KB at D = 128 (opted in past 48 KB, fit_shared): 2 blocks (16 warps) per SM.
 // Same math as the CPU kernel: float32 scores, softmax and V sums for every dtype; masked pairs
 // get weight 0; a row that sees nothing gets zeros; one rounding to the dtype at the end.
 
@@ -351,16 +351,16 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(TreeAttentionArgs 
 template <typename T, int kVec>
 cudaError_t launch(const TreeAttentionArgs& a, const Plan& p, cudaStream_t stream) {
   const size_t smem = shared_floats(a.D, kVec) * sizeof(float);
-  if (smem > 48 * 1024) {  // over the default: opt in (up to 227 KB; D <= 256 needs <= 145 KB)
-    const cudaError_t err = cudaFuncSetAttribute(
-        tree_attention_kernel<T, kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+  cuda::SharedFit fit;  // D = 256 needs 145 KB: every H100/A100, but Ada stops at D = 168
+  cudaError_t err = cuda::fit_shared(tree_attention_kernel<T, kVec>, smem, &fit);
+  if (err != cudaSuccess) return err;
+  RHEO_CHECK(fit.fits(), "tree_attention on CUDA holds its tiles in shared memory: D=", a.D,
+             " needs ", fit.needed(), " bytes a block, over the ", fit.limit, " of GPU ",
+             fit.device, " (cudaDevAttrMaxSharedMemoryPerBlockOptin); run it on the CPU");
   const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.Hkv),
                   static_cast<unsigned>(a.B));
   tree_attention_kernel<T, kVec> RHEO_LAUNCH(grid, kThreads, smem, stream)(a, p);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   const int64_t elements = a.B * a.N * a.H * a.D;
   const unsigned blocks = static_cast<unsigned>((elements + kMergeThreads - 1) / kMergeThreads);

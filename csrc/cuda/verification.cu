@@ -371,6 +371,16 @@ __global__ void __launch_bounds__(kThreads, 1) walk_kernel(VerificationArgs a, i
   }
 }
 
+// RowShared (node_stats_kernel) and WalkShared (walk_kernel), the same for every row type.
+RHEO_STATIC_SHARED(12016, node_stats_kernel<F32Row>);
+RHEO_STATIC_SHARED(12016, node_stats_kernel<Bf16Row>);
+RHEO_STATIC_SHARED(12016, node_stats_kernel<F16Row>);
+RHEO_STATIC_SHARED(12016, node_stats_kernel<F64Row>);
+RHEO_STATIC_SHARED(12112, walk_kernel<F32Row>);
+RHEO_STATIC_SHARED(12112, walk_kernel<Bf16Row>);
+RHEO_STATIC_SHARED(12112, walk_kernel<F16Row>);
+RHEO_STATIC_SHARED(12112, walk_kernel<F64Row>);
+
 int ceil_log2(int64_t n) {
   int bits = 0;
   while ((int64_t{1} << bits) < n) ++bits;
@@ -383,16 +393,15 @@ cudaError_t launch(const VerificationArgs& args, cudaStream_t stream) {
   const bool stats_fit = args.N * static_cast<int64_t>(sizeof(NodeStats)) <=
                          args.V * static_cast<int64_t>(sizeof(double));
   const int hash_bits = ceil_log2(2 * (args.N + args.Se)) < 5 ? 5 : ceil_log2(2 * (args.N + args.Se));
-  const size_t smem = hash_bits > 24 ? kMaxDynamicSmem + 1 : walk_smem_bytes(args.N, args.Se, hash_bits);
-  RHEO_CHECK(smem <= kMaxDynamicSmem, "verification on CUDA keeps a tree's nodes and the q~ "
-             "support in shared memory: N=", args.N, " nodes and Se=", args.Se, " need ", smem,
-             " bytes, over ", kMaxDynamicSmem, " (about N + Se <= 6000); use fewer tree nodes "
-             "or a smaller support, or verify on the CPU");
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        walk_kernel<Row>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+  const size_t smem = walk_smem_bytes(args.N, args.Se, hash_bits);
+  cuda::SharedFit fit;
+  const cudaError_t err = cuda::fit_shared(walk_kernel<Row>, smem, &fit);
+  if (err != cudaSuccess) return err;
+  RHEO_CHECK(fit.fits(), "verification on CUDA keeps a tree's nodes and the q~ support in "
+             "shared memory: N=", args.N, " nodes and Se=", args.Se, " need ", fit.needed(),
+             " bytes a block (", fit.static_bytes, " static + ", smem, " dynamic), over the ",
+             fit.limit, " of GPU ", fit.device, " (cudaDevAttrMaxSharedMemoryPerBlockOptin); use "
+             "fewer tree nodes or a smaller support (docs/kernels.md §7), or verify on the CPU");
   if (stats_fit) {
     node_stats_kernel<Row> RHEO_LAUNCH(static_cast<unsigned>(args.B * args.N), kThreads, 0, stream)(args);
   }

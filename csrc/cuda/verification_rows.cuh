@@ -20,7 +20,6 @@ constexpr double kResumBelow = 1e-6;     // as in the CPU kernel
 constexpr int32_t kNoTie = INT32_MAX;    // top-p keeps every tie at the threshold
 constexpr int32_t kUnchanged = INT32_MAX;  // hash value: entry untouched at this node
 constexpr int32_t kZeroed = -1;            // hash value: a rejected child's token, w = 0
-constexpr size_t kMaxDynamicSmem = 200 * 1024;
 
 // What the walk needs of a node's row (the prepass output, 48 bytes). A token v is kept when
 // key(v) >= kth and (key(v) > tau or (key(v) == tau and v <= last_tie)); 0 / kNoTie: off.

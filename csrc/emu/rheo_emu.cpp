@@ -120,7 +120,6 @@ constexpr size_t kStackSize =
 #else
     128 * 1024;
 #endif
-constexpr size_t kDefaultSharedLimit = 48 * 1024, kOptInSharedLimit = 227 * 1024;
 
 struct WarpState {
   unsigned waiting = 0;  // lanes waiting at a warp op
@@ -168,7 +167,31 @@ SplitMix rng;
 cudaError_t last_error = cudaSuccess;
 std::string last_message;
 Counters stats;
-std::map<const void*, int> max_dynamic_smem;
+int device = 0;  // cudaSetDevice's choice, an index into kDevices
+// cudaFuncAttributeMaxDynamicSharedMemorySize by (device, kernel); absent: 48 KB - static.
+std::map<std::pair<int, const void*>, size_t> max_dynamic_smem;
+
+// RHEO_STATIC_SHARED's figures, by kernel (filled during static initialisation, hence a
+// function-local map).
+struct StaticEntry {
+  size_t bytes;
+  const char* name;
+};
+std::map<const void*, StaticEntry>& static_shared_table() {
+  static std::map<const void*, StaticEntry> table;
+  return table;
+}
+size_t static_shared_of(const void* kernel) {
+  const auto it = static_shared_table().find(kernel);
+  return it == static_shared_table().end() ? 0 : it->second.bytes;
+}
+// What a launch of `kernel` may ask for on the current device: the opt-in, or 48 KB - static.
+size_t max_dynamic_of(const void* kernel) {
+  const auto it = max_dynamic_smem.find({device, kernel});
+  if (it != max_dynamic_smem.end()) return it->second;
+  const size_t limit = kDevices[device].shared_default, fixed = static_shared_of(kernel);
+  return fixed < limit ? limit - fixed : 0;
+}
 
 std::string where(const char* file, int line) {
   const char* base = file;
@@ -580,13 +603,34 @@ int barrier(const char* file, int line, Barrier kind, int pred) {
   return f.result;
 }
 
+// As on a GPU, the opt-in may not take static + dynamic past the device's ceiling.
 cudaError_t set_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  ++stats.attribute_sets;
+  const DeviceModel& dev = kDevices[device];
+  const size_t fixed = static_shared_of(kernel);
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
-      static_cast<size_t>(value) > kOptInSharedLimit)
+      fixed + static_cast<size_t>(value) > dev.shared_optin)
     return launch_error(cudaErrorInvalidValue,
-                        "cudaFuncSetAttribute: only MaxDynamicSharedMemorySize <= 227 KB");
-  max_dynamic_smem[kernel] = value;
+                        "cudaFuncSetAttribute: MaxDynamicSharedMemorySize " +
+                            std::to_string(value) + " + " + std::to_string(fixed) +
+                            " static bytes is over the " + std::to_string(dev.shared_optin) +
+                            "-byte opt-in ceiling of device " + std::to_string(device) + " (" +
+                            dev.name + ")");
+  max_dynamic_smem[{device, kernel}] = static_cast<size_t>(value);
   return cudaSuccess;
+}
+
+cudaError_t get_attributes(cudaFuncAttributes* attr, const void* kernel) {
+  ++stats.attribute_reads;
+  *attr = cudaFuncAttributes{};
+  attr->sharedSizeBytes = static_shared_of(kernel);
+  attr->maxDynamicSharedSizeBytes = static_cast<int>(max_dynamic_of(kernel));
+  return cudaSuccess;
+}
+
+bool register_static_shared(const void* kernel, size_t bytes, const char* name) {
+  static_shared_table()[kernel] = StaticEntry{bytes, name};
+  return true;
 }
 
 cudaError_t launch(const Invocation& inv, dim3 grid, dim3 block, size_t dynamic_smem,
@@ -605,17 +649,16 @@ cudaError_t launch(const Invocation& inv, dim3 grid, dim3 block, size_t dynamic_
                         at + "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) +
                             ", " + std::to_string(grid.z) +
                             ") exceeds the limits (x < 2^31, y and z <= 65535)");
-  const auto attr = max_dynamic_smem.find(inv.kernel);
-  const size_t smem_limit = attr == max_dynamic_smem.end()
-                                ? kDefaultSharedLimit
-                                : std::max(kDefaultSharedLimit, size_t(attr->second));
-  if (dynamic_smem > smem_limit)
+  const bool opted_in = max_dynamic_smem.count({device, inv.kernel}) > 0;
+  const size_t fixed = static_shared_of(inv.kernel), max_dynamic = max_dynamic_of(inv.kernel);
+  if (dynamic_smem > max_dynamic)
     return launch_error(cudaErrorInvalidValue,
-                        at + std::to_string(dynamic_smem) + " bytes of dynamic shared memory " +
-                            "exceed the limit of " + std::to_string(smem_limit) +
-                            (attr == max_dynamic_smem.end()
-                                 ? " (48 KB without cudaFuncSetAttribute)"
-                                 : " set by cudaFuncSetAttribute"));
+                        at + std::to_string(fixed) + " static + " + std::to_string(dynamic_smem) +
+                            " dynamic bytes of shared memory exceed the " +
+                            std::to_string(fixed + max_dynamic) + "-byte limit on device " +
+                            std::to_string(device) + " (" + kDevices[device].name + ")" +
+                            (opted_in ? " set by cudaFuncSetAttribute"
+                                      : " (48 KB without cudaFuncSetAttribute)"));
   if (current != nullptr)
     return launch_error(cudaErrorLaunchFailure, at + "a kernel launched from device code");
 
@@ -661,6 +704,12 @@ cudaError_t launch(const Invocation& inv, dim3 grid, dim3 block, size_t dynamic_
 
 }  // namespace detail
 
+std::vector<StaticShared> static_shared_figures() {
+  std::vector<StaticShared> out;
+  for (const auto& [kernel, e] : detail::static_shared_table()) out.push_back({e.name, e.bytes});
+  return out;
+}
+
 void set_schedule_seed(uint64_t seed) {
   detail::seed_value = seed;
   detail::rng.seed(seed);
@@ -701,3 +750,28 @@ cudaError_t cudaFreeAsync(void* ptr, cudaStream_t) {
 }
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = rheo_emu::kDeviceCount;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = rheo_emu::detail::device;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= rheo_emu::kDeviceCount) return cudaErrorInvalidValue;
+  rheo_emu::detail::device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  ++rheo_emu::detail::stats.attribute_reads;
+  if (device < 0 || device >= rheo_emu::kDeviceCount) return cudaErrorInvalidValue;
+  const rheo_emu::DeviceModel& d = rheo_emu::kDevices[device];
+  switch (attr) {
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = static_cast<int>(d.shared_default); break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(d.shared_optin); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}

@@ -21,9 +21,16 @@
 //   waiting at two different barriers, a warp operation whose mask does not match the lanes that
 //   reach it (or names an exited / absent lane, or reads a lane outside it), deadlock, and the
 //   launch limits: block > 1024 threads (x, y <= 1024, z <= 64), grid.x < 2^31, grid.y/z <= 65535,
-//   dynamic shared memory over 48 KB without cudaFuncSetAttribute (over 227 KB with it).
-// Not modelled: static shared memory per kernel (only dynamic is limit-checked), registers,
-// memory ordering between blocks (blocks run one after another), timing.
+//   and shared memory as a GPU counts it: a kernel's static __shared__ bytes plus the launch's
+//   dynamic bytes, over 48 KB without cudaFuncSetAttribute, or past the device's opt-in ceiling.
+// Devices: the emulated machine holds one GPU of each class (kDevices: H100/H200, A100, Ada);
+// cudaSetDevice picks one (device 0 by default) and cudaDeviceGetAttribute reports its limits.
+// Static shared memory: the emulator cannot see a kernel's __shared__ variables before it runs,
+// so each .cu file states nvcc's figure per kernel (RHEO_STATIC_SHARED, csrc/cuda/device_utils.cuh;
+// 0 when absent) and tests/test_cuda_emu.py checks the figures against nvcc --resource-usage.
+// Not modelled: registers, memory ordering between blocks (blocks run one after another), timing.
+// Arithmetic is the host's IEEE arithmetic with contraction off, as the CUDA build's -fmad=false;
+// exp, log and the other library functions are the C library's, not CUDA's (docs/kernels.md §7).
 #pragma once
 
 #include <math.h>  // the C++ <math.h>: float overloads of exp, log, ... in the global namespace
@@ -36,6 +43,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // --- CUDA keywords ---------------------------------------------------------------------------
 #define __global__
@@ -68,6 +76,16 @@ enum cudaError_t {
 struct CUstream_st;
 typedef CUstream_st* cudaStream_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaDeviceAttr {
+  cudaDevAttrMaxSharedMemoryPerBlock = 8,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes = 0;         // static __shared__ bytes (RHEO_STATIC_SHARED's figure)
+  int maxDynamicSharedSizeBytes = 0;  // what a launch may ask: 48 KB - static, or the opt-in
+  int maxThreadsPerBlock = 1024;
+  int numRegs = 0;                    // not modelled
+};
 
 const char* cudaGetErrorString(cudaError_t err);
 cudaError_t cudaGetLastError();
@@ -76,6 +94,10 @@ cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t stream);
 cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream);
 cudaError_t cudaDeviceSynchronize();
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 
 namespace rheo_emu {
 
@@ -88,8 +110,33 @@ const std::string& last_error_message();
 // Counters since the last reset (for tests and for the cost of emulation).
 struct Counters {
   uint64_t launches = 0, blocks = 0, threads = 0, switches = 0;
-  uint64_t allocations = 0;  // cudaMallocAsync calls
+  uint64_t allocations = 0;      // cudaMallocAsync calls
+  uint64_t attribute_sets = 0;   // cudaFuncSetAttribute calls
+  uint64_t attribute_reads = 0;  // cudaFuncGetAttributes and cudaDeviceGetAttribute calls
 };
+
+// The GPU classes the emulator models, as devices 0, 1, 2 of one machine. Every class grants
+// 48 KB of shared memory a block by default; shared_optin is its
+// cudaDevAttrMaxSharedMemoryPerBlockOptin, the most a kernel may opt in to, static included.
+struct DeviceModel {
+  const char* name;
+  size_t shared_default;  // cudaDevAttrMaxSharedMemoryPerBlock
+  size_t shared_optin;    // cudaDevAttrMaxSharedMemoryPerBlockOptin
+};
+inline constexpr DeviceModel kDevices[] = {
+    {"H100/H200 (sm_90)", 48 * 1024, 227 * 1024},
+    {"A100 (sm_80)", 48 * 1024, 163 * 1024},
+    {"Ada, RTX 4090/L4 (sm_89)", 48 * 1024, 99 * 1024},
+};
+inline constexpr int kDeviceCount = static_cast<int>(sizeof(kDevices) / sizeof(kDevices[0]));
+
+// The static shared memory figures the .cu files state (RHEO_STATIC_SHARED), by kernel name as
+// written there, e.g. "walk_kernel<F32Row>"; for the test that checks them against nvcc.
+struct StaticShared {
+  std::string kernel;
+  size_t bytes;
+};
+std::vector<StaticShared> static_shared_figures();
 Counters counters();
 void reset_counters();
 
@@ -184,15 +231,28 @@ void operator%(void (*kernel)(P...), rheo_emu::detail::Pending<A...>&& p) {
   rheo_emu::detail::run_launch(kernel, p);
 }
 
-template <typename T>
-cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attr, int value);
 namespace rheo_emu::detail {
 cudaError_t set_attribute(const void* kernel, cudaFuncAttribute attr, int value);
-}
+cudaError_t get_attributes(cudaFuncAttributes* attr, const void* kernel);
+bool register_static_shared(const void* kernel, size_t bytes, const char* name);
+}  // namespace rheo_emu::detail
 template <typename T>
 cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attr, int value) {
   return rheo_emu::detail::set_attribute(reinterpret_cast<const void*>(kernel), attr, value);
 }
+template <typename T>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, T* kernel) {
+  return rheo_emu::detail::get_attributes(attr, reinterpret_cast<const void*>(kernel));
+}
+
+// RHEO_STATIC_SHARED(bytes, kernel): nvcc's static shared memory of `kernel` (one instantiation),
+// which cudaFuncGetAttributes reports and every launch counts (see the header comment).
+#define RHEO_EMU_CAT2(a, b) a##b
+#define RHEO_EMU_CAT(a, b) RHEO_EMU_CAT2(a, b)
+#define RHEO_STATIC_SHARED(bytes, ...)                                                  \
+  [[maybe_unused]] const bool RHEO_EMU_CAT(rheo_static_shared_, __LINE__) =             \
+      ::rheo_emu::detail::register_static_shared(reinterpret_cast<const void*>(&__VA_ARGS__), \
+                                                 (bytes), #__VA_ARGS__)
 
 #define RHEO_LAUNCH(grid, block, smem, stream) \
   % ::rheo_emu::LaunchConfig{dim3(grid), dim3(block), static_cast<size_t>(smem), (stream), \

@@ -1,7 +1,7 @@
 // Every CUDA kernel (csrc/cuda/*.cu, run on the CPU emulator csrc/emu) against its CPU twin
 // (csrc/cpu) on the same inputs and Philox coins, and against itself under a second schedule.
 //
-//   kernel_tests [--quick] [--only NAME] [--seeds A,B]
+//   kernel_tests [--quick] [--only NAME] [--seeds A,B] | --static-shared
 //
 // For each case: the CPU kernel gives the expected outputs; the CUDA kernel runs under schedule
 // seed A and again under seed B (other thread interleavings, block order, shared-memory poison)
@@ -1166,6 +1166,7 @@ struct ControlsCase {
   int ban;         // suppress_below: 0 = never, 1 = the root only, 2 = deep (random depth >= 2)
   int history;     // 0 = history_len 0, 1 = full (H), 2 = mixed (0, full and in between)
   bool chain = false;  // one path 0 -> 1 -> ... -> N-1, every other token the same hot one
+  int fanout = 0;      // > 0: a complete tree, parent (i - 1) / fanout (shallow at any N)
 };
 
 struct ControlsInputs {
@@ -1189,7 +1190,8 @@ ControlsInputs make_controls_inputs(const ControlsCase& c, Rng& rng) {
   in.counts.assign(c.B * c.H, -5);
   for (int64_t b = 0; b < c.B; ++b) {
     for (int64_t i = 1; i < c.N; ++i) {
-      in.parents[b * c.N + i] = static_cast<int32_t>(c.chain || rng.uniform() < 0.6 ? i - 1 : rng.below(i));
+      in.parents[b * c.N + i] = static_cast<int32_t>(
+          c.fanout > 0 ? (i - 1) / c.fanout : c.chain || rng.uniform() < 0.6 ? i - 1 : rng.below(i));
       in.tokens[b * c.N + i] = c.chain && i % 2 ? hot[0]
                                : rng.uniform() < 0.5 ? hot[rng.below(hot.size())]
                                                      : static_cast<int32_t>(rng.below(c.V));
@@ -1383,12 +1385,125 @@ void logit_controls_tests() {
     in.suppress[1] = static_cast<int32_t>(c.V);
   }, [](const In&, const C&, int64_t, int64_t) { return true; });
 }
+
+// --- shared memory at each GPU class's limits ------------------------------------------------------
+// On each emulated device (rheo_emu::kDevices: H100/H200, A100, Ada) in turn, every kernel that
+// asks for shared memory runs at the edge of its admitted range (docs/kernels.md §7) and is
+// refused one step past it: one line naming the sizes, the bytes and the device's limit, before
+// anything launches. A launch needs its kernel's static bytes (nvcc's figures) plus its dynamic
+// bytes, computed here from the layouts the .cu files state.
+
+size_t walk_bytes(int64_t N, int64_t Se) {  // verification: WalkShared + ce, q, order, hash
+  int bits = 5;
+  while ((int64_t{1} << bits) < 2 * (N + Se)) ++bits;
+  return 12112 + 12 * N + 8 * Se + (size_t{8} << bits);
+}
+size_t controls_bytes(int64_t N) { return 16 + 4 * N; }  // PathShared + the path's tokens
+size_t attention_bytes(int64_t D) {  // q_t, v, p, k_t tiles (no static shared memory)
+  return 4 * (101 * D + 2048 * ((D + 63) / 64) + 2176);
+}
+// The largest x in [lo, hi] with bytes(x) <= limit (bytes grows with x), or lo - 1.
+int64_t largest_fitting(const std::function<size_t(int64_t)>& bytes, size_t limit, int64_t lo,
+                        int64_t hi) {
+  while (lo <= hi && bytes(hi) > limit) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (bytes(mid) > limit) hi = mid - 1;
+    else lo = mid + 1;
+  }
+  return hi;
+}
+
+// `run` throws one rheo::ValueError line holding every word, and launches nothing.
+void expect_refused(const std::string& what, const std::function<void()>& run,
+                    const std::vector<std::string>& words) {
+  ++cases;
+  current_case = what;
+  const uint64_t launches = rheo_emu::counters().launches;
+  try {
+    run();
+    fail("accepted");
+  } catch (const rheo::ValueError& e) {
+    const std::string msg = e.what();
+    if (msg.find('\n') != std::string::npos) fail("more than one line: " + msg);
+    for (const std::string& w : words)
+      if (msg.find(w) == std::string::npos) fail("no \"" + w + "\" in: " + msg);
+  }
+  if (rheo_emu::counters().launches != launches) fail("launched before refusing");
+}
+
+void refuse_verification(int64_t N, int64_t Se, size_t limit) {
+  const VerifyCase c{1, N, Se + 50, Se, DType::kFloat32, rheo::VerifyMethod::kRheo, 1.0, 1.0, 0, Logits::kNormal};
+  Rng rng(7);
+  const VerifyInputs in = make_verify_inputs(c, rng);
+  std::vector<double> workspace(c.B * c.V);
+  VerifyOut o = verify_outputs(c, in.P);
+  expect_refused("verification N=" + std::to_string(N) + " Se=" + std::to_string(Se) + " refused",
+                 [&] { rheo::verification_cuda(verify_args(c, in, o, workspace.data()), nullptr); },
+                 {"N=" + std::to_string(N), "Se=" + std::to_string(Se),
+                  std::to_string(walk_bytes(N, Se)), std::to_string(limit)});
+}
+
+void refuse_controls(int64_t N, size_t limit) {
+  const ControlsCase c{1, N, 29, 29, DType::kFloat32, 1.3, 0.0, 0.0, 3, 1, 1, false, 4};
+  Rng rng(7);
+  const ControlsInputs in = make_controls_inputs(c, rng);
+  ControlsOut o{in.logits, {0}};
+  expect_refused("logit_controls N=" + std::to_string(N) + " refused",
+                 [&] { rheo::logit_controls_cuda(controls_args(c, in, o), nullptr); },
+                 {"N=" + std::to_string(N), std::to_string(controls_bytes(N)), std::to_string(limit)});
+}
+
+void refuse_attention(int64_t D, size_t limit) {
+  rheo::TreeAttentionArgs a;  // null buffers: nothing may launch
+  a.B = 1, a.N = 6, a.H = 4, a.Hkv = 2, a.D = D, a.prefix_len = 10;
+  expect_refused("tree_attention D=" + std::to_string(D) + " refused",
+                 [&] { rheo::tree_attention_cuda(a, nullptr); },
+                 {"D=" + std::to_string(D), std::to_string(attention_bytes(D)), std::to_string(limit)});
+}
+
+void launch_limits_tests() {
+  uint64_t seed = 700;
+  for (int dev = 0; dev < rheo_emu::kDeviceCount; ++dev) {
+    const rheo_emu::DeviceModel& d = rheo_emu::kDevices[dev];
+    cudaSetDevice(dev);
+    std::printf("device %d %s: opt-in ceiling %zu bytes\n", dev, d.name, d.shared_optin);
+    // Verification at N = 60, Se = 1024 (--support 1024): 12112 static + 41680 dynamic bytes,
+    // over 48 KB only with the static part. The opt-in is set once per device and kernel.
+    const uint64_t sets = rheo_emu::counters().attribute_sets;
+    verification_case({1, 60, 1500, 1024, DType::kFloat32, rheo::VerifyMethod::kRheo, 1.0, 1.0, 0, Logits::kNormal}, ++seed);
+    if (rheo_emu::counters().attribute_sets != sets + 1) fail("walk_kernel not opted in exactly once");
+    verification_case({2, 60, 1500, 1024, DType::kFloat32, rheo::VerifyMethod::kRRSW, 0.8, 0.9, 0, Logits::kNormal}, ++seed);
+    if (rheo_emu::counters().attribute_sets != sets + 1) fail("walk_kernel opted in again on the same device");
+    // Verification's edge at N = 60: the largest support that fits, then one more.
+    const int64_t Se = largest_fitting([](int64_t s) { return walk_bytes(60, s); }, d.shared_optin, 1, 20000);
+    verification_case({1, 60, Se + 50, Se, DType::kBFloat16, rheo::VerifyMethod::kRheo, 1.0, 1.0, 0, Logits::kPeaked}, ++seed);
+    refuse_verification(60, Se + 1, d.shared_optin);
+    // Logit controls at N = 12288 (49168 bytes: over 48 KB) and at the device's edge.
+    logit_controls_case({1, 12288, 29, 29, DType::kFloat32, 1.3, 0.2, 0.1, 3, 2, 1, false, 4}, ++seed);
+    const int64_t N = largest_fitting(controls_bytes, d.shared_optin, 1, 1 << 20);
+    if (!quick) logit_controls_case({1, N, 7, 7, DType::kFloat64, 1.2, 0.0, 0.3, 2, 1, 1, false, 8}, ++seed);
+    refuse_controls(N + 1, d.shared_optin);
+    // Tree attention: D <= 256 (its register tiles) where that fits, else the device's edge.
+    const int64_t D = largest_fitting(attention_bytes, d.shared_optin, 1, 256);
+    tree_attention_case(1, 6, 4, 2, D, 40, DType::kBFloat16, false, ++seed);
+    if (D < 256) refuse_attention(D + 1, d.shared_optin);
+    // The pool sampler: static shared memory only (1232 bytes), at its largest support.
+    pool_case({2, 2100, 10, 1, 2048, 1.0, rheo::PoolKind::kRheo, DType::kFloat32, Logits::kNormal, false}, ++seed);
+    std::printf("  verification N=60: Se <= %ld; logit controls N <= %ld; tree attention D <= %ld\n",
+                long(Se), long(N), long(D));
+  }
+  cudaSetDevice(0);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string only;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--static-shared") {  // the .cu files' RHEO_STATIC_SHARED figures, for the nvcc test
+      for (const auto& f : rheo_emu::static_shared_figures()) std::printf("%s %zu\n", f.kernel.c_str(), f.bytes);
+      return 0;
+    }
     if (arg == "--quick") quick = true;
     else if (arg == "--only" && i + 1 < argc) only = argv[++i];
     else if (arg == "--seeds" && i + 1 < argc) std::sscanf(argv[++i], "%lu,%lu", &seed_a, &seed_b);
@@ -1400,7 +1515,8 @@ int main(int argc, char** argv) {
   const std::pair<const char*, void (*)()> suites[] = {
       {"pool_sampler", pool_sampler_tests}, {"proxy_rerank", proxy_rerank_tests},
       {"tree_attention", tree_attention_tests}, {"skinny_linear", skinny_linear_tests},
-      {"verification", verification_tests}, {"logit_controls", logit_controls_tests}};
+      {"verification", verification_tests}, {"logit_controls", logit_controls_tests},
+      {"launch_limits", launch_limits_tests}};
   for (const auto& [name, fn] : suites) {
     if (!only.empty() && only != name) continue;
     const int before = failures, cases_before = cases;

@@ -236,6 +236,54 @@ void test_misuse() {
   CHECK(out[2047] == 1);
 }
 
+// 12 KB of static shared memory, as verification's walk_kernel has: it counts toward every limit.
+__global__ void static_12k(int* out) {
+  __shared__ int big[3072];
+  big[threadIdx.x] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = big[threadIdx.x ^ 1];
+}
+RHEO_STATIC_SHARED(12288, static_12k);
+
+// Shared memory as a GPU counts it (issue 30): static + dynamic against 48 KB without an opt-in,
+// and against each device's own opt-in ceiling with one; the opt-in belongs to one device.
+void test_shared_limits() {
+  std::vector<int> out(32);
+  cudaFuncAttributes attr;
+  CHECK(cudaFuncGetAttributes(&attr, static_12k) == cudaSuccess);
+  CHECK(attr.sharedSizeBytes == 12288 && attr.maxDynamicSharedSizeBytes == 48 * 1024 - 12288);
+  CHECK(cudaFuncGetAttributes(&attr, trivial) == cudaSuccess && attr.sharedSizeBytes == 0);
+  // In device order: each device's launch without its own opt-in fails although the devices
+  // before it opted in (the attribute belongs to one device).
+  for (int dev = 0; dev < rheo_emu::kDeviceCount; ++dev) {
+    CHECK(cudaSetDevice(dev) == cudaSuccess);
+    int optin = 0, plain = 0;
+    CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess);
+    CHECK(cudaDeviceGetAttribute(&plain, cudaDevAttrMaxSharedMemoryPerBlock, dev) == cudaSuccess);
+    CHECK(size_t(optin) == rheo_emu::kDevices[dev].shared_optin && plain == 48 * 1024);
+    static_12k RHEO_LAUNCH(1, 32, 36 * 1024, nullptr)(out.data());  // 48 KB in all: no opt-in
+    CHECK(cudaGetLastError() == cudaSuccess && out[0] == 1);
+    static_12k RHEO_LAUNCH(1, 32, 40 * 1024, nullptr)(out.data());  // dynamic alone is under
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+    CHECK(message_has("12288 static + 40960 dynamic"));
+    CHECK(message_has("48 KB without cudaFuncSetAttribute"));
+    const int room = optin - 12288;
+    CHECK(cudaFuncSetAttribute(static_12k, cudaFuncAttributeMaxDynamicSharedMemorySize, room + 1) ==
+          cudaErrorInvalidValue);
+    CHECK(message_has("opt-in ceiling") && cudaGetLastError() == cudaErrorInvalidValue);
+    CHECK(cudaFuncSetAttribute(static_12k, cudaFuncAttributeMaxDynamicSharedMemorySize, room) ==
+          cudaSuccess);
+    static_12k RHEO_LAUNCH(1, 32, room, nullptr)(out.data());
+    CHECK(cudaGetLastError() == cudaSuccess);
+    static_12k RHEO_LAUNCH(1, 32, room + 1, nullptr)(out.data());
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+  }
+  CHECK(cudaSetDevice(1) == cudaSuccess);  // 163 KB: what the 99 KB device 2 refuses
+  static_12k RHEO_LAUNCH(1, 32, 140 * 1024, nullptr)(out.data());
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+}
+
 // A missing barrier or a read of unwritten shared memory shows up as a difference between
 // schedules: run under several seeds and compare.
 template <typename Kernel>
@@ -303,6 +351,7 @@ int main(int argc, char** argv) {
   test_barriers_and_atomics();
   test_conversions();
   test_misuse();
+  test_shared_limits();
   test_races_show();
   std::printf("cost: %.0f ns a fiber switch in order, %.0f ns in a random schedule\n",
               ns_per_switch(0), ns_per_switch(1));
