@@ -66,10 +66,12 @@ def _extension() -> tuple[object, str]:
         )  # fmt: skip
         return ext, f"{info} ({why})"
     cuda_defines = ["-DRHEO_WITH_CUDA"] + defines
+    # -fmad=false: nvcc fuses a * b + c into one FMA by default; off, a GPU rounds + - * / as the
+    # CPU kernels and the emulator do (docs/kernels.md §7).
     ext = cpp_extension.CUDAExtension(
         "rheo_engine._C", sources + _rel("csrc/cuda/*.cu"), include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx + cuda_defines,
-                            "nvcc": ["-O3", "-std=c++17"] + cuda_defines},
+                            "nvcc": ["-O3", "-std=c++17", "-fmad=false"] + cuda_defines},
         extra_link_args=["-fopenmp"],
     )  # fmt: skip
     return ext, f"{info} ({why})"

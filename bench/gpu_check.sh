@@ -13,8 +13,9 @@
 #   widen          90  weights/default -> WIDENED (a ~1B-parameter Llama-3.2-1B-shaped pair with
 #                      the default pair's outputs; reused when complete), in the background
 #                      while the CUDA tests run (it needs the built extension, not the GPU)
-#   cuda_tests    150  pytest -k cuda over the five kernel test files and every tests/test_*.py
-#                      with a test named for cuda; a CUDA test skipped, or none passed, fails
+#   cuda_tests    150  pytest -k cuda over the six kernel test files and every tests/test_*.py
+#                      with a test named for cuda; a CUDA test skipped, or a kernel test file
+#                      with no CUDA test passed, fails
 #   bench_kernels 120  bench/bench_kernels_gpu.py --device cuda: every kernel vs torch, paper sizes
 #   e2e_T1, e2e_T0  110 each  bench/e2e.py --methods ar rheo --device cuda --dtype bfloat16 on
 #                      the widened pair, E2E_PROMPTS prompts x E2E_SEEDS seeds, 128 new tokens,
@@ -164,6 +165,15 @@ check_ran() {
     elif [ "$skipped" != 0 ]; then
         STATUS[$i]="FAIL (CUDA tests skipped: see the log's SKIPPED lines)"
         FAILED=1
+    else  # every CUDA kernel has a test that passed (-rp lists them)
+        local f
+        for f in "${KERNEL_TESTS[@]}"; do
+            if ! grep -q "^PASSED $f::" "$LOGDIR/$1.log"; then
+                STATUS[$i]="FAIL (no CUDA test of $f passed)"
+                FAILED=1
+                return
+            fi
+        done
     fi
 }
 
@@ -231,13 +241,13 @@ fi
 
 # 2. every CUDA test, 3. the kernels against torch on the GPU
 KERNEL_TESTS=(tests/test_pool_sampler.py tests/test_proxy_rerank.py tests/test_tree_attention.py
-              tests/test_verification.py tests/test_skinny_linear.py)
+              tests/test_verification.py tests/test_skinny_linear.py tests/test_logit_controls.py)
 # ... and every file that defines a test named for cuda (test_cuda_emu.py's CPU emulator tests
 # are not GPU tests: no test of theirs is named so).
 mapfile -t CUDA_TESTS < <(printf '%s\n' "${KERNEL_TESTS[@]}" \
     $(grep -l -E 'def test_[A-Za-z0-9_]*cuda' tests/test_*.py) | sort -u)
 if [ "$BUILT" = 0 ]; then
-    step cuda_tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda "${CUDA_TESTS[@]}"
+    step cuda_tests 150 "$PY" -m pytest -q -rsp -p no:cacheprovider -k cuda "${CUDA_TESTS[@]}"
     check_ran cuda_tests
     counts=$(log_of cuda_tests | grep -E '[0-9]+ (passed|failed)' | tail -n 1 | tr -d '=' |
         sed 's/^ *//; s/ *$//')

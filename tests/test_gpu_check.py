@@ -30,7 +30,7 @@ SCRIPT = BENCH / "gpu_check.sh"
 STEPS = ["preflight", "build", "has_cuda", "cuda_tests", "widen", "bench_kernels", "e2e_T1",
          "e2e_T0", "tp2"]  # fmt: skip
 KERNEL_TESTS = ["test_pool_sampler.py", "test_proxy_rerank.py", "test_tree_attention.py",
-                "test_verification.py", "test_skinny_linear.py"]  # fmt: skip
+                "test_verification.py", "test_skinny_linear.py", "test_logit_controls.py"]  # fmt: skip
 KERNELS = ["tree_attention", "pool_sampler", "verification", "skinny_linear", "select_expand",
            "build_tree"]  # fmt: skip
 
@@ -93,7 +93,7 @@ def test_dry_run_lists_every_step_in_order(tmp_path):
     build = _log(logs, "build")
     assert "FORCE_CUDA=1" in build and "--no-build-isolation" in build and "-e ." in build
     tests = _log(logs, "cuda_tests")
-    assert "-k cuda" in tests and "-rs" in tests
+    assert "-k cuda" in tests and "-rsp" in tests  # p: the passed tests, per kernel file
     for name in KERNEL_TESTS + ["test_host_reads.py"]:  # test_host_reads has CUDA tests too
         assert f"tests/{name}" in tests
     assert "test_cuda_emu.py" not in tests  # the CPU emulator: no GPU test there
@@ -150,6 +150,12 @@ case "$1" in
                 [ -n "${FAKE_PYTEST_SLEEP:-}" ] && exec sleep "$FAKE_PYTEST_SLEEP"
                 [ -n "${FAKE_PYTEST_SKIP:-}" ] && echo "SKIPPED [9]" \
                     "tests/test_verification.py:387: needs a CUDA GPU and a CUDA build"
+                for f in "$@"; do  # -rp: a passed CUDA test per file (but FAKE_PYTEST_NONE's)
+                    case $f in
+                        *"${FAKE_PYTEST_NONE:-none}"*) ;;
+                        tests/*.py) echo "PASSED $f::test_cuda_fake" ;;
+                    esac
+                done
                 echo "${FAKE_PYTEST_LINE:-==== 60 passed in 1.00s ====}"; exit 0 ;;
         esac ;;
     -c)
@@ -226,8 +232,10 @@ def test_real_path_summary_holds_every_figure(tmp_path, fake_python):
     [
         ({"FAKE_PYTEST_SKIP": "1"}, "FAIL (CUDA tests skipped: see the log's SKIPPED lines)"),
         ({"FAKE_PYTEST_LINE": "57 skipped, 3 deselected in 1.0s"}, "FAIL (no CUDA test ran)"),
+        ({"FAKE_PYTEST_NONE": "test_logit_controls.py"},
+         "FAIL (no CUDA test of tests/test_logit_controls.py passed)"),
     ],
-    ids=["one skipped", "none passed"],
+    ids=["one skipped", "none passed", "a kernel untested"],
 )
 def test_gpu_tests_that_skip_fail_the_check(tmp_path, fake_python, env, status):
     run, _ = _gpu_check(tmp_path, rc=1, **fake_python, **env)

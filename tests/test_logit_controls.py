@@ -164,3 +164,76 @@ def test_bad_input(over, message):
 def test_sampling_config_rules(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingConfig(**kw)
+
+
+# --- CUDA (run by bench/gpu_check.sh) ---------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels.has_cuda()),
+    reason="needs a CUDA GPU and a CUDA build",
+)
+
+
+def _controls_inputs(B: int, N: int, V: int, H: int, *, seed: int, fanout: int = 0):
+    """Trees whose tokens repeat each other and the history (random, or complete with `fanout`
+    children a node: shallow at any N), a history of distinct ascending ids per tree (lengths 0,
+    H and between) and a few suppressed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.randint(0, V, (6,), generator=g)
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    tokens = torch.where(
+        torch.rand(B, N, generator=g) < 0.5,
+        hot[torch.randint(0, 6, (B, N), generator=g)],
+        torch.randint(0, V, (B, N), generator=g),
+    ).to(torch.int32)
+    for i in range(1, N):
+        near = torch.randint(0, i, (B,), generator=g) if fanout == 0 else (i - 1) // fanout
+        parents[:, i] = near if fanout else torch.where(torch.rand(B, generator=g) < 0.6, i - 1, near)
+    ids = torch.zeros(B, H, dtype=torch.int32)
+    counts = torch.randint(0, 4, (B, H), generator=g, dtype=torch.int32)
+    lens = torch.tensor([(H, 0, H // 2)[b % 3] for b in range(B)], dtype=torch.int32)
+    for b in range(B):
+        ids[b] = torch.randperm(V, generator=g)[:H].sort().values
+    return dict(
+        logits=torch.randn(B, N, V, generator=g), tokens=tokens, parents=parents,
+        history_ids=ids, history_counts=counts, history_len=lens,
+        suppress_ids=hot[-1:].to(torch.int32).unique(),
+        suppress_below=torch.randint(0, 4, (B,), generator=g, dtype=torch.int32),
+    )  # fmt: skip
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "B,N,V,H,fanout",
+    [(3, 40, 1000, 300, 0), (2, 17, 29, 29, 0), (1, 1, 5, 0, 0), (1, 160, 1000, 150, 1),
+     (1, 12288, 64, 32, 4)],  # N = 12288: 49168 B of shared memory, over 48 KB (issue 30)
+)  # fmt: skip
+def test_cuda_matches_cpu(dtype, B, N, V, H, fanout):
+    """The CUDA rows equal the CPU's bit for bit (penalised_logit in the row's type on both)."""
+    for rep, pres, freq in [(1.3, 0.0, 0.0), (0.7, 0.2, 0.1), (1.0, 0.0, 0.4)]:
+        a = _controls_inputs(B, N, V, H, seed=N + V + H)
+        a["logits"] = a["logits"].to(dtype)
+        gpu = {k: v.cuda() for k, v in a.items()}
+        status = kernels.status_word("cuda")
+        kernels.logit_controls(**a, repetition_penalty=rep, presence_penalty=pres,
+                               frequency_penalty=freq)  # fmt: skip
+        kernels.logit_controls(**gpu, repetition_penalty=rep, presence_penalty=pres,
+                               frequency_penalty=freq, status=status)  # fmt: skip
+        assert status.item() == 0
+        assert torch.equal(gpu["logits"].cpu(), a["logits"]), (rep, pres, freq)
+
+
+@needs_cuda
+def test_cuda_refuses_a_tree_over_the_shared_memory_limit_in_one_line():
+    """Past the GPU's opt-in ceiling (4 bytes a node): one line naming N and the bytes, and
+    the logits untouched."""
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    N = (limit - 16) // 4 + 1
+    a = _controls_inputs(1, N, 8, 4, seed=1, fanout=8)
+    gpu = {k: v.cuda() for k, v in a.items()}
+    before = gpu["logits"].clone()
+    with pytest.raises(ValueError, match=f"N={N} nodes need {16 + 4 * N} bytes") as err:
+        kernels.logit_controls(**gpu, repetition_penalty=1.3)
+    assert "\n" not in str(err.value) and f"over the {limit} of GPU" in str(err.value)
+    assert torch.equal(gpu["logits"], before)
