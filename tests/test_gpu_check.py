@@ -30,7 +30,8 @@ SCRIPT = BENCH / "gpu_check.sh"
 STEPS = ["preflight", "build", "has_cuda", "cuda_tests", "widen", "bench_kernels", "e2e_T1",
          "e2e_T0", "tp2"]  # fmt: skip
 KERNEL_TESTS = ["test_pool_sampler.py", "test_proxy_rerank.py", "test_tree_attention.py",
-                "test_verification.py", "test_skinny_linear.py", "test_logit_controls.py"]  # fmt: skip
+                "test_verification.py", "test_skinny_linear.py",
+                "test_logit_controls.py"]  # fmt: skip
 KERNELS = ["tree_attention", "pool_sampler", "verification", "skinny_linear", "select_expand",
            "build_tree"]  # fmt: skip
 

@@ -187,8 +187,11 @@ def _controls_inputs(B: int, N: int, V: int, H: int, *, seed: int, fanout: int =
         torch.randint(0, V, (B, N), generator=g),
     ).to(torch.int32)
     for i in range(1, N):
-        near = torch.randint(0, i, (B,), generator=g) if fanout == 0 else (i - 1) // fanout
-        parents[:, i] = near if fanout else torch.where(torch.rand(B, generator=g) < 0.6, i - 1, near)
+        if fanout:
+            parents[:, i] = (i - 1) // fanout
+        else:
+            near = torch.randint(0, i, (B,), generator=g)
+            parents[:, i] = torch.where(torch.rand(B, generator=g) < 0.6, i - 1, near)
     ids = torch.zeros(B, H, dtype=torch.int32)
     counts = torch.randint(0, 4, (B, H), generator=g, dtype=torch.int32)
     lens = torch.tensor([(H, 0, H // 2)[b % 3] for b in range(B)], dtype=torch.int32)
