@@ -703,11 +703,31 @@ class BatchDecoder:
         """The group's tree policy: fixed, or the auto tree over a cost profile: the request's
         own, the one kept for this (model, device, dtype, threads, pool) in this process or on
         this machine (rheo_engine.machine), or measured now on this sequence's slot (the time
-        it takes is reported apart: Generation.measure_s)."""
+        it takes is reported apart: Generation.measure_s). A measured profile in doubt
+        (CostProfile.doubts) is measured once more and never kept; a kept profile that the
+        first real steps contradict (AutoTree.contradicted) is measured again (docs/tree_policy.md
+        §4)."""
+        request, cfg = seq.request, seq.request.tree_cfg
+
+        def measured(key: str) -> CostProfile:
+            start = time.perf_counter()
+            for _ in range(2):
+                self._tell("measure", slot=seq.slot, key=key)
+                profile = self._measure(seq, key)
+                self._calibrate(seq, profile)
+                if not profile.doubts():
+                    break
+            request.measure_s += time.perf_counter() - start
+            if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
+                self.profiles[key] = profile  # covers every tree: reuse it
+                keep_profile(profile)  # and in the next process on this machine, unless in doubt
+            return profile
+
         policy = self._policies.get(seq.group)
+        if isinstance(policy, AutoTree) and policy.contradicted:
+            policy.use_profile(measured(policy.profile.key))  # its evidence is kept
         if policy is not None:
             return policy
-        request, cfg = seq.request, seq.request.tree_cfg
         if request.tree == "fixed":
             policy = FixedTree(cfg)
         else:
@@ -726,20 +746,15 @@ class BatchDecoder:
                     )
             else:
                 profile = self.profiles.get(key) or cached_profile(key)
+            kept = profile is not None and not isinstance(request.cost_profile, CostProfile)
             if profile is None:
-                start = time.perf_counter()
-                self._tell("measure", slot=seq.slot, key=key)
-                profile = self._measure(seq, key)
-                self._calibrate(seq, profile)
-                request.measure_s += time.perf_counter() - start
-                if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
-                    self.profiles[key] = profile  # covers every tree: reuse it
-                    keep_profile(profile)  # and in the next process on this machine
-            elif not isinstance(request.cost_profile, CostProfile):
+                profile = measured(key)
+            elif kept:
                 self.profiles.setdefault(key, profile)
             if isinstance(request.cost_profile, (str, Path)):  # a path not there yet
                 profile.save(request.cost_profile)
-            policy = AutoTree(cfg, profile)
+            # A kept profile is checked against the first real steps; a pinned one is not.
+            policy = AutoTree(cfg, profile, check=kept)
         self._policies[seq.group] = policy
         return policy
 

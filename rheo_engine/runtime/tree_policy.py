@@ -111,10 +111,21 @@ class FixedTree:
 
 # --- costs ------------------------------------------------------------------------------------
 
+# A profile is not kept (and a kept one not used) when its calibration factors differ by more
+# than this ratio across sizes (the Xeon's quiet profile: 1.01-1.13; measured under load:
+# 0.46-2.02), or when a tree's real steps measured below 0.95 plain steps. The timings' spread
+# is reported, not a reason: on a shared machine a quiet profile can spread widely too.
+MAX_SCALE_RATIO = 2.5
+
 
 @dataclass
 class CostProfile:
-    """Measured seconds of the parts of a step on one machine, for one (model, settings) key."""
+    """Measured seconds of the parts of a step on one machine, for one (model, settings) key.
+
+    The tables hold what was measured; every prediction reads them physically consistent
+    (docs/tree_policy.md §4): target and verification times non-decreasing in the size (their
+    running maximum), a step non-decreasing in the size at a given depth and width, and no
+    tree cheaper than a plain step."""
 
     key: str  # what it was measured for: model shapes, device, dtype, threads, pool kind
     target_s: dict[int, float]  # tree size n -> one target forward over n nodes
@@ -127,18 +138,21 @@ class CostProfile:
     # target and head forwards evict each other's weights, and whose head also runs the
     # accepted pairs); real steps of a few shapes fix the bias per size (calibrate_profile).
     step_scale: dict[int, float] = field(default_factory=dict)
+    # What was timed -> the worst relative spread (interquartile range / median) of its
+    # repeated, interleaved timings: "target" (forwards per size), "calibration" (real steps).
+    spread: dict[str, float] = field(default_factory=dict)
 
-    def scale(self, n: int) -> float:
+    def scale(self, n):
         """The calibration factor at n nodes (1 where there is none)."""
         return _extrapolated(self.step_scale, n) if self.step_scale else 1.0
 
-    def target(self, n: int) -> float:
-        """Target forward seconds at n nodes: piecewise linear in the measured sizes."""
-        return _extrapolated(self.target_s, n)
+    def target(self, n):
+        """Target forward seconds at n nodes: piecewise linear in the measured sizes, made
+        non-decreasing (a bigger forward never costs less than a smaller one did)."""
+        return _extrapolated(_running_max(self.target_s), n)
 
     def plain_step_s(self, batch: int = 1) -> float:
-        parts = _extrapolated(self.target_s, batch) + batch * _extrapolated(self.verify_s, 1)
-        return parts * self.scale(1)
+        return self.parts_s(0, 1, 0, batch) * self.scale(1)
 
     def step_s(self, depth: int, n: int, topk: int, batch: int = 1) -> float:
         """Predicted seconds of a step drafting ``depth`` levels of ``topk`` rows and keeping
@@ -146,21 +160,45 @@ class CostProfile:
 
         A step over ``batch`` sequences (rheo_engine.runtime.decoder) is priced from the same
         one-sequence measurements: the target forward at batch * n rows (what it runs: one forward
-        over all
-        trees), and drafting and verification ``batch`` times (each sequence's pool sampler and
-        verification run on their own; the head's level forward over all rows is counted
-        ``batch`` times too, an upper bound where its cost is per-operator overhead)."""
+        over all trees), and drafting and verification ``batch`` times (each sequence's pool
+        sampler and verification run on their own; the head's level forward over all rows is
+        counted ``batch`` times too, an upper bound where its cost is per-operator overhead).
+        Monotone: at least any smaller tree of this depth and width, and a plain step."""
         if n == 1:
             return self.plain_step_s(batch)
-        return self.parts_s(depth, n, topk, batch) * self.scale(n)
+        return max(self.plain_step_s(batch), float(self.calibrated(depth, topk, batch, n).max()))
+
+    def calibrated(self, depth: int, topk: int, batch: int, n_max: int) -> np.ndarray:
+        """[n_max - 1] the parts' sum times the calibration factor at n = 2 .. n_max nodes (as
+        measured: not yet monotone)."""
+        n = np.arange(2, n_max + 1)
+        return self._parts(depth, n, topk, batch) * self.scale(n)
 
     def parts_s(self, depth: int, n: int, topk: int, batch: int = 1) -> float:
         """step_s before calibration: the sum of the parts as measured alone."""
-        if n == 1:
-            return _extrapolated(self.target_s, batch) + batch * _extrapolated(self.verify_s, 1)
+        return float(self._parts(depth, n, topk, batch))
+
+    def _parts(self, depth, n, topk, batch):
+        if np.ndim(n) == 0 and n == 1:
+            return self.target(batch) + batch * _extrapolated(_running_max(self.verify_s), 1)
         drafting = self.draft_base_s + _extrapolated(self.level_s, topk) * depth
-        target = _extrapolated(self.target_s, batch * n)
-        return batch * (drafting + _extrapolated(self.verify_s, n)) + target
+        verify = _extrapolated(_running_max(self.verify_s), n)
+        return batch * (drafting + verify) + self.target(batch * n)
+
+    def doubts(self) -> list[str]:
+        """Why this profile should be measured again rather than kept (empty: none)."""
+        out = []
+        scales = list(self.step_scale.values())
+        if scales and max(scales) > MAX_SCALE_RATIO * min(scales):
+            out.append(f"calibration factors {min(scales):.2f}-{max(scales):.2f} disagree "
+                       f"(x{max(scales) / min(scales):.1f} > x{MAX_SCALE_RATIO})")  # fmt: skip
+        plain, topk = self.plain_step_s(), min(self.level_s, default=1)
+        for n, s in sorted(self.step_scale.items()):
+            real = s * self.parts_s(1, n, topk)  # at least: the cheapest drafting
+            if n > 1 and real < 0.95 * plain:
+                out.append(f"real {n}-node steps measured below a plain step "
+                           f"({1e3 * real:.1f} < {1e3 * plain:.1f} ms)")  # fmt: skip
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
@@ -181,6 +219,7 @@ class CostProfile:
                 verify_s=table("verify_s"),
                 measure_s=float(raw.get("measure_s", 0.0)),
                 step_scale=table("step_scale") if "step_scale" in raw else {},
+                spread={str(k): float(v) for k, v in raw.get("spread", {}).items()},
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(
@@ -195,7 +234,8 @@ class CostProfile:
 
 def cached_profile(key: str) -> CostProfile | None:
     """The profile measured for ``key`` on this machine by an earlier process, if kept; a file
-    that does not read (or holds another key) is measured again and overwritten."""
+    that does not read, holds another key or is in doubt (CostProfile.doubts) is measured
+    again and overwritten."""
     path = kept_file("profiles", key)
     if path is None or not path.is_file():
         return None
@@ -203,30 +243,67 @@ def cached_profile(key: str) -> CostProfile | None:
         profile = CostProfile.load(path)
     except ValueError:
         return None
-    return profile if profile.key == key else None
+    return profile if profile.key == key and not profile.doubts() else None
 
 
-def keep_profile(profile: CostProfile) -> None:
-    """Keep ``profile`` for later processes on this machine (machine.kept_file)."""
+def keep_profile(profile: CostProfile) -> bool:
+    """Keep ``profile`` for later processes on this machine (machine.kept_file), unless it is
+    in doubt (CostProfile.doubts). Returns whether it was kept."""
+    if profile.doubts():
+        return False
     write_kept(kept_file("profiles", profile.key), dataclasses.asdict(profile))
+    return True
 
 
-def _extrapolated(table: dict[int, float], n: int) -> float:
-    """table at n: piecewise linear between measured points, the last slope beyond them."""
+def _running_max(table: dict[int, float]) -> dict[int, float]:
     sizes = sorted(table)
-    if n <= sizes[-1] or len(sizes) < 2:
-        return float(np.interp(n, sizes, [table[s] for s in sizes]))
-    a, b = sizes[-2], sizes[-1]
-    return table[b] + (table[b] - table[a]) / (b - a) * (n - b)
+    return dict(zip(sizes, np.maximum.accumulate([table[s] for s in sizes]).tolist()))
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _extrapolated(table: dict[int, float], n):
+    """table at n (a number or an array): piecewise linear between measured points, the last
+    slope beyond them."""
+    sizes = sorted(table)
+    values = [table[s] for s in sizes]
+    out = np.interp(n, sizes, values)
+    if len(sizes) >= 2:
+        a, b = sizes[-2], sizes[-1]
+        slope = (table[b] - table[a]) / (b - a)
+        out = np.where(np.asarray(n) > b, table[b] + slope * (np.asarray(n) - b), out)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def _spread(samples: list[float]) -> float:
+    """Interquartile range / median."""
+    q1, mid, q3 = np.percentile(samples, (25, 50, 75))
+    return float((q3 - q1) / mid) if mid > 0 else 0.0
+
+
+def _interleaved(jobs: dict, watched: list, min_rounds: int, max_rounds: int,
+                 spread_ok: float, bound: float) -> tuple[dict, float]:  # fmt: skip
+    """Run every job once per round, in turn (A B C A B C: a load that comes and goes hits
+    them all alike), until ``min_rounds`` are done and the watched jobs' worst spread is at
+    most ``spread_ok``, or the rounds have taken ``bound`` times the first min_rounds, or
+    ``max_rounds``. Each job returns its seconds. Returns the medians and that spread."""
+    samples = {name: [] for name in jobs}
+    start, first, worst = time.perf_counter(), 0.0, 0.0
+    for done in range(1, max_rounds + 1):
+        for name, job in jobs.items():
+            samples[name].append(job())
+        if done < min_rounds:
+            continue
+        elapsed = time.perf_counter() - start
+        first = first or elapsed
+        worst = max((_spread(samples[name]) for name in watched), default=0.0)
+        if worst <= spread_ok or elapsed >= bound * first:
+            break
+    return {name: float(np.median(s)) for name, s in samples.items()}, worst
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def topk_choices(bound: TreeConfig) -> tuple[int, ...]:
@@ -236,36 +313,49 @@ def topk_choices(bound: TreeConfig) -> tuple[int, ...]:
     return tuple(sorted(k for k in ks if bound.leads < k <= bound.support))
 
 
+# Timings are repeated in interleaved rounds: at least MIN_ROUNDS, at most MAX_ROUNDS, until
+# their spread is at most SPREAD_OK or they took TIME_BOUND times the first MIN_ROUNDS rounds.
+MIN_ROUNDS, MAX_ROUNDS, SPREAD_OK, TIME_BOUND = 3, 9, 0.1, 3.0
+
+
 def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int,
                     topks: tuple[int, ...]) -> CostProfile:  # fmt: skip
     """Time the parts of a step: ``draft(depth, n, topk)`` -> DraftTree, ``forward_tree(tree)``
     -> logits, ``verify(logits, draft_tree)``. Nothing is committed, so the request's state is
-    untouched. About 3 forwards per probed size; sizes stop at ``max_nodes``."""
+    untouched. Every part is timed once per round, rounds repeat until the target forwards'
+    spread is small (_interleaved); sizes stop at ``max_nodes``."""
     start = time.perf_counter()
     sizes = [n for n in PROBE_SIZES if n <= max_nodes]
     if sizes[-1] != max_nodes and max_nodes > 1:
         sizes.append(max_nodes)
     widest = max(topks)
-    target_s, verify_s = {}, {}
+    trees = {n: draft(min(max_depth, max(1, n - 1)), n, widest) for n in sizes}
+    logits = {n: forward_tree(trees[n].tree) for n in sizes}  # warm-up, and what verify reads
+    jobs = {}
     for n in sizes:
-        dt = draft(min(max_depth, max(1, n - 1)), n, widest)
-        logits = forward_tree(dt.tree)  # warm-up, and the logits verification times on
-        repeats = 3 if n <= 8 else 2
-        target_s[n] = _median_time(lambda dt=dt: forward_tree(dt.tree), repeats)
-        verify_s[n] = _median_time(lambda dt=dt, lg=logits: verify(lg, dt), 3)
-    draft_base, level_s = 0.0, {k: 0.0 for k in topks}
+        jobs["target", n] = lambda n=n: _timed(lambda: forward_tree(trees[n].tree))
+        jobs["verify", n] = lambda n=n: _timed(lambda: verify(logits[n], trees[n]))
+    small = min(max_nodes, 8)
+    deep = min(max_depth, small - 1, 3)
     if max_nodes > 1:
-        n = min(max_nodes, 8)
-        draft_base = _median_time(lambda: draft(1, n, widest), 3)
-        deep = min(max_depth, n - 1, 3)
+        jobs["draft", 1, widest] = lambda: _timed(lambda: draft(1, small, widest))
         for k in topks if deep > 1 else ():
-            drafting = _median_time(lambda k=k: draft(deep, n, k), 3)
-            level_s[k] = max(0.0, (drafting - draft_base) / (deep - 1))
-    return CostProfile(key, target_s, draft_base, level_s, verify_s, time.perf_counter() - start)
+            jobs["draft", deep, k] = lambda k=k: _timed(lambda: draft(deep, small, k))
+    watched = [("target", n) for n in sizes]
+    times, spread = _interleaved(jobs, watched, MIN_ROUNDS, MAX_ROUNDS, SPREAD_OK, TIME_BOUND)
+    draft_base = times.get(("draft", 1, widest), 0.0)
+    level_s = {k: 0.0 for k in topks}
+    for k in topks if max_nodes > 1 and deep > 1 else ():
+        level_s[k] = max(0.0, (times["draft", deep, k] - draft_base) / (deep - 1))
+    return CostProfile(
+        key, {n: times["target", n] for n in sizes}, draft_base, level_s,
+        {n: times["verify", n] for n in sizes}, time.perf_counter() - start,
+        spread={"target": spread},
+    )  # fmt: skip
 
 
 # Real steps timed to calibrate a profile: (depth, nodes) from a plain step to the largest tree,
-# each CALIBRATION_REPEATS times, interleaved.
+# in interleaved rounds (at least CALIBRATION_REPEATS, see _interleaved).
 CALIBRATION_SHAPES = ((0, 1), (1, 2), (1, 4), (2, 8), (3, 16), (4, 32), (8, 60))
 CALIBRATION_REPEATS = 3
 
@@ -274,19 +364,20 @@ def calibrate_profile(profile: CostProfile, run_step, topk: int, max_nodes: int,
                       max_depth: int) -> None:  # fmt: skip
     """Time real decode steps of a few shapes (``run_step(depth, n)`` runs one, committed, on a
     scratch copy of the request, and returns its seconds) and set ``profile.step_scale``: per
-    size, the median of measured / predicted (the parts' sum). Sizes stop at ``max_nodes``."""
+    size, the median of measured / predicted (the parts' sum), and ``profile.spread
+    ["calibration"]``. Sizes stop at ``max_nodes``."""
     shapes: list[tuple[int, int]] = []
     for depth, n in CALIBRATION_SHAPES:
         n = min(n, max_nodes)
         depth = min(depth, max_depth, n - 1)
         if all(n != m for _, m in shapes) and (n == 1 or depth >= 1):
             shapes.append((depth, n))
-    ratios: dict[int, list[float]] = {n: [] for _, n in shapes}
-    for _ in range(CALIBRATION_REPEATS):
-        for depth, n in shapes:
-            seconds = run_step(depth, n)
-            ratios[n].append(seconds / profile.parts_s(depth, n, topk))
-    profile.step_scale = {n: float(np.median(r)) for n, r in ratios.items()}
+    jobs = {(d, n): lambda d=d, n=n: run_step(d, n) / profile.parts_s(d, n, topk)
+            for d, n in shapes}  # fmt: skip
+    ratios, spread = _interleaved(jobs, list(jobs), CALIBRATION_REPEATS, 3 * CALIBRATION_REPEATS,
+                                  SPREAD_OK, TIME_BOUND)  # fmt: skip
+    profile.step_scale = {n: ratios[d, n] for d, n in shapes}
+    profile.spread = {**profile.spread, "calibration": spread}
 
 
 # --- acceptance ----------------------------------------------------------------------------
@@ -296,7 +387,10 @@ class AcceptanceStats:
     """Expected accepted drafts of every (depth D, size N) tree, replayed from past steps.
 
     ``sums[D - 1, j]`` / ``counts[D - 1, j]`` are decayed sums of the accepted count a tree of
-    depth D and size SIZES[j] would have had, over the past steps that cover that tree.
+    depth D and size SIZES[j] would have had, over the past steps that cover that tree. Only a
+    step that covers a cell moves it (a decayed window of that cell's last ~10 observations):
+    plain steps and other widths bring no evidence, so they neither fade it nor let a prior
+    come back (docs/tree_policy.md §5).
     """
 
     def __init__(self, max_depth: int, sizes: tuple[int, ...], decay: float = 0.9) -> None:
@@ -304,18 +398,11 @@ class AcceptanceStats:
         self.sums = np.zeros((max_depth, len(sizes)))
         self.counts = np.zeros((max_depth, len(sizes)))
         depths = range(1, max_depth + 1)
-        self.prior = np.array([[_prior(d, n) for n in sizes] for d in depths])
         self.optimistic_prior = np.array([[_prior(d, n, 0.6) for n in sizes] for d in depths])
-        self.prior_weight = 1.0
-
-    def fade(self) -> None:
-        """One step passed: older evidence weighs less (plain steps call only this)."""
-        self.sums *= self.decay
-        self.counts *= self.decay
+        self.prior_weight = 1.0  # of the optimistic prior, in steps
 
     def add(self, depths: np.ndarray, accepted: np.ndarray, grown: int) -> None:
         """A step's nodes 1..N-1 in rank order: their depths and whether each was accepted."""
-        self.fade()
         for d in range(1, min(grown, self.max_depth) + 1):
             keep = accepted[depths <= d]
             covered = self.sizes - 1 <= len(keep)
@@ -323,29 +410,35 @@ class AcceptanceStats:
                 continue
             cum = np.concatenate(([0.0], np.cumsum(keep)))
             need = np.minimum(self.sizes - 1, len(keep))
-            self.sums[d - 1] += np.where(covered, cum[need], 0.0)
-            self.counts[d - 1] += covered
+            self.sums[d - 1] = np.where(covered, self.decay * self.sums[d - 1] + cum[need],
+                                        self.sums[d - 1])  # fmt: skip
+            self.counts[d - 1] = np.where(covered, self.decay * self.counts[d - 1] + 1.0,
+                                          self.counts[d - 1])  # fmt: skip
 
     def expected(self, optimistic: bool = False) -> np.ndarray:
-        """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N (with an
-        optimistic prior for probing)."""
-        if not optimistic and self.counts.max() < 0.5:
-            return np.zeros_like(self.sums)  # no evidence (left): only a probe drafts this
-        w = self.prior_weight
-        prior = self.optimistic_prior if optimistic else self.prior
-        est = (w * prior + self.sums) / (w + self.counts)
-        # A tree no step covered (e.g. shallower but wider than any grown) keeps the prior, but
-        # no more than the trees with evidence that are at least as deep and as big (they hold
-        # its best-ranked nodes): a bound tree that accepts nothing ends speculation.
-        seen = np.where(self.counts > 0.5, est, np.inf)
-        cap = np.minimum.accumulate(np.minimum.accumulate(seen[::-1, ::-1], 0), 1)[::-1, ::-1]
-        est = np.where(self.counts > 0.5, est, np.minimum(est, cap))
+        """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N.
+
+        Evidence only: a tree no step covered is credited with what the biggest trees below it
+        accepted, no more (all zeros before any evidence: only a probe drafts then). Probes
+        (``optimistic``) read the evidence shrunk towards an optimistic prior instead, which
+        alone rates the trees no step covered, capped by the covered trees at least as deep
+        and as big (they hold its best-ranked nodes)."""
+        seen = self.counts > 0
+        if not optimistic:
+            est = np.where(seen, self.sums / np.maximum(self.counts, 1e-12), 0.0)
+        else:
+            w = self.prior_weight
+            est = (w * self.optimistic_prior + self.sums) / (w + self.counts)
+            bounded = np.where(seen, est, np.inf)
+            cap = np.minimum.accumulate(np.minimum.accumulate(bounded[::-1, ::-1], 0), 1)
+            est = np.where(seen, est, np.minimum(est, cap[::-1, ::-1]))
         return np.maximum.accumulate(np.maximum.accumulate(est, axis=0), axis=1)
 
 
 def _prior(depth: int, n: int, per_node: float = 0.3) -> float:
-    """A weak prior: n - 1 nodes spread evenly over the depths, each accepted with probability
-    ``per_node`` given its parent was; a level extends the path if any of its nodes does."""
+    """An optimistic prior: n - 1 nodes spread evenly over the depths, each accepted with
+    probability ``per_node`` given its parent was; a level extends the path if any of its
+    nodes does."""
     per_level = (n - 1) / depth
     reach, total = 1.0, 0.0
     for _ in range(depth):
@@ -360,63 +453,85 @@ _PRICED: dict[tuple, tuple[CostProfile, np.ndarray, float]] = {}
 def _priced(profile: CostProfile, topks: tuple[int, ...], max_depth: int,
             sizes: tuple[int, ...], batch: int) -> tuple[np.ndarray, float]:  # fmt: skip
     """step_s of every (topk, depth, size) [topks, depth, sizes] and the plain step, for
-    ``batch`` sequences: computed once per profile and shape bound (~8 ms, 1% of a request of
-    the default pair), read by every request's policy after that."""
+    ``batch`` sequences: computed once per profile and shape bound, read by every request's
+    policy after that. Monotone as step_s is: the running maximum over n of the calibrated
+    parts, and at least a plain step."""
     key = (id(profile), topks, max_depth, sizes, batch)
     hit = _PRICED.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1], hit[2]
+    plain = profile.plain_step_s(batch)
+    at = np.maximum(np.array(sizes) - 2, 0)  # index of n in calibrated(..., n_max)
+    n_max = max(2, max(sizes))
     grid = np.array(
-        [[[profile.step_s(d, n, k, batch) for n in sizes] for d in range(1, max_depth + 1)]
-         for k in topks]
+        [[np.maximum.accumulate(profile.calibrated(d, k, batch, n_max))[at]
+          for d in range(1, max_depth + 1)] for k in topks]
     )  # fmt: skip
+    grid = np.maximum(grid, plain)
+    grid[..., np.array(sizes) == 1] = plain
     if len(_PRICED) > 64:  # profiles come and go (tests, files): keep the table small
         _PRICED.clear()
-    _PRICED[key] = (profile, grid, profile.plain_step_s(batch))
-    return grid, _PRICED[key][2]
+    _PRICED[key] = (profile, grid, plain)
+    return grid, plain
 
 
 class AutoTree:
     """The cost model's choice of tree per step (see the module docstring).
 
     Shapes: topk in topk_choices(bound) (each with its own acceptance replay: the candidates
-    differ), depth <= bound.depth, size in SIZES <= bound.total_tokens. When plain steps win,
-    every ``probe_every`` of them one step drafts the best tree under an optimistic prior
-    instead, so a cold start or an easier stretch of text can turn speculation on; each probe
-    that does not pay doubles the interval (up to 256 steps), a paying tree resets it. While
-    trees pay, every PROBE_SPEC-th step is such a probe too (other widths and sizes get tried).
-    A width no step has drafted (or whose evidence has faded) is drafted only by probes.
+    differ), depth <= bound.depth, size in SIZES <= bound.total_tokens. A tree is drafted when
+    the evidence says it beats a plain step by MARGIN; otherwise the step is plain. A probe
+    drafts the best tree under an optimistic prior instead: the first at step PROBE_FIRST, then
+    at most every PROBE_GAP steps, and only while what probes lost against plain steps
+    (predicted: a probe's cost less a plain step per token it emitted) stays within
+    PROBE_SHARE of all predicted time, plus one probe's worth (docs/tree_policy.md §6).
+
+    ``check=True`` (a profile kept by an earlier process): the first real steps' measured
+    seconds are compared with the predictions; when their median ratio is off by more than
+    CONTRADICTION either way, ``contradicted`` is set and the decoder measures again
+    (use_profile).
     """
 
-    # A probe costs at most PROBE_COST plain steps (predicted), so probing a machine where
-    # trees never pay costs a few percent; a tree must beat a plain step by MARGIN to be
-    # chosen without probing. In real decoding (default pair, 2-core EPYC, T = 1, measured
-    # profile) trees of 8-56 nodes took 10-50% longer than predicted, and accepted less than
-    # expected, so a 5% margin let trees run at 0.6-0.9x plain decoding: the margin covers
-    # what the model misses (BENCHMARKS.md, "The auto tree on prompts it never saw").
-    PROBE_FIRST, PROBE_MAX, PROBE_SPEC, PROBE_COST, MARGIN = 8, 256, 16, 2.0, 1.3
+    # A tree must beat a plain step by MARGIN to be chosen without probing. In real decoding
+    # (default pair, 2-core EPYC, T = 1, measured profile) trees of 8-56 nodes took 10-50%
+    # longer than predicted, and accepted less than expected, so a 5% margin let trees run at
+    # 0.6-0.9x plain decoding: the margin covers what the model misses (BENCHMARKS.md, "The
+    # auto tree on prompts it never saw"). A probe costs at most PROBE_COST plain steps.
+    PROBE_FIRST, PROBE_GAP, PROBE_SHARE, PROBE_COST, MARGIN = 4, 16, 0.02, 2.0, 1.3
     # After a step found that no tree beats a plain step, the next RECHECK - 1 plain steps do
-    # not search again: with no new evidence (plain steps only fade it) the answer moves
-    # slowly, and the search (~0.1 ms) was ~3% of a plain step of the default pair.
+    # not search again: with no new evidence the answer does not move, and the search
+    # (~0.1 ms) was ~3% of a plain step of the default pair.
     RECHECK = 8
+    CHECK_STEPS, CONTRADICTION = 8, 1.5  # steps 2..9 of a kept profile; measured / predicted
 
-    def __init__(self, bound: TreeConfig, profile: CostProfile) -> None:
-        self.bound, self.profile = bound, profile
+    def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False) -> None:
+        self.bound = bound
         sizes = tuple(n for n in SIZES if n <= bound.total_tokens) or (bound.total_tokens,)
         if bound.total_tokens not in sizes:
             sizes = tuple(sorted({*sizes, bound.total_tokens}))
         self.sizes, self.topks = sizes, topk_choices(bound)
         self.stats = {k: AcceptanceStats(bound.depth, sizes) for k in self.topks}
-        self.batch = 0
-        self.set_batch(1)
         depths = range(1, bound.depth + 1)
         self.feasible = np.array(
             [[[d <= n - 1 and n <= max_tree_size(k, d) for n in sizes] for d in depths]
              for k in self.topks]
         )  # fmt: skip
+        self.use_profile(profile)
         self.predicted_s = 0.0  # the chosen tree's predicted step time
-        self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, 0
         self.plain_known = 0  # plain steps left that need no search (see RECHECK)
+        self.steps, self.since_probe, self.probes = 0, 0, 0
+        self.total_s = 0.0  # predicted seconds of every step chosen
+        self.probe_loss_s = 0.0  # predicted seconds probes lost against plain steps
+        self.probe_step, self.probe_risk = -1, 0.0  # the last probe and what it may still lose
+        self.checks: list[float] | None = [] if check else None  # measured / predicted
+        self.contradicted = False
+
+    def use_profile(self, profile: CostProfile) -> None:
+        """Price trees with ``profile`` (a fresh one after a contradiction); evidence is kept and
+        the profile is not checked again."""
+        self.profile, self.batch = profile, 0
+        self.checks, self.contradicted = None, False
+        self.set_batch(1)
 
     def set_batch(self, batch: int) -> None:
         """Price every tree for steps over ``batch`` sequences (CostProfile.step_s): the batch
@@ -427,6 +542,11 @@ class AutoTree:
         self.batch = batch
         self.step_s, self.plain_s = _priced(self.profile, self.topks, self.bound.depth,
                                             self.sizes, batch)  # fmt: skip
+
+    @property
+    def probe_share(self) -> float:
+        """What probes lost against plain steps / all predicted time so far."""
+        return self.probe_loss_s / self.total_s if self.total_s > 0 else 0.0
 
     def _best(self, room: int, wanted: int, optimistic: bool) -> tuple[float, int, int, int]:
         """(rate, topk index, depth index, size index) of the best feasible tree; a probe
@@ -443,6 +563,13 @@ class AutoTree:
         return float(rate[i, d, j]), int(i), int(d), int(j)
 
     def choose(self, room: int, wanted: int) -> TreeConfig:
+        self.steps += 1
+        self.since_probe += 1
+        cfg = self._choose(room, wanted)
+        self.total_s += self.predicted_s
+        return cfg
+
+    def _choose(self, room: int, wanted: int) -> TreeConfig:
         plain_s = self.plain_s
         self.predicted_s = plain_s
         if wanted < 2 or self.bound.method == "ar":
@@ -454,29 +581,35 @@ class AutoTree:
             rate, i, d, j = self._best(room, wanted, optimistic=False)
             if rate <= self.MARGIN / plain_s:
                 self.plain_known = self.RECHECK - 1
+        if self.since_probe >= (self.PROBE_GAP if self.probes else self.PROBE_FIRST):
+            probe = self._best(room, wanted, optimistic=True)
+            self.since_probe = 0
+            if probe[0] > 0 and self._affordable(float(self.step_s[probe[1:]])):
+                rate, i, d, j = probe
+                self.probes += 1
+                self.probe_step = self.steps
+                self.probe_risk = float(self.step_s[i, d, j]) - plain_s
+                self.probe_loss_s += self.probe_risk  # refunded per token it emits (observe)
+                return self._tree(i, d, j)
         if rate > self.MARGIN / plain_s:
-            self.plain_run, self.probe_every, self.spec_run = 0, self.PROBE_FIRST, self.spec_run + 1
-            if self.spec_run >= self.PROBE_SPEC:
-                self.spec_run = 0
-                rate, i, d, j = self._best(room, wanted, optimistic=True)
-        elif self.plain_run + 1 >= self.probe_every:
-            rate, i, d, j = self._best(room, wanted, optimistic=True)
-            self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.PROBE_MAX)
-            if rate <= 0:
-                return TreeConfig("ar")
-        else:
-            self.plain_run += 1
-            return TreeConfig("ar")
+            return self._tree(i, d, j)
+        return TreeConfig("ar")
+
+    def _affordable(self, cost: float) -> bool:
+        """Whether a probe of predicted ``cost`` keeps the probes' loss within budget."""
+        budget = self.PROBE_SHARE * (self.total_s + cost) + (self.PROBE_COST - 1) * self.plain_s
+        return self.probe_loss_s + cost - self.plain_s <= budget
+
+    def _tree(self, i: int, d: int, j: int) -> TreeConfig:
         self.predicted_s = float(self.step_s[i, d, j])
         return dataclasses.replace(
             self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
         )
 
     def observe(self, cfg, outcome, seconds) -> None:
+        self._check(seconds)
         if tree_shape(cfg) == (0, 1):
-            for st in self.stats.values():
-                st.fade()
-            return
+            return  # a plain step says nothing about acceptance
         self.plain_known = 0  # new evidence: search at the next step
         # Host lists from the step's one read: the policy never reads the device.
         depths = np.array(outcome.depth[0][1:])
@@ -484,11 +617,24 @@ class AutoTree:
         n = outcome.accept_len[0]
         path = np.array(outcome.accept_path[0][1:n], dtype=np.int64)  # nodes past the root
         accepted[path - 1] = 1.0
-        for k, st in self.stats.items():
-            if k == cfg.topk:
-                st.add(depths, accepted, cfg.depth)
-            else:
-                st.fade()
+        if self.probe_step == self.steps:  # each token the probe emitted saves a plain step
+            refund = min(self.probe_risk, (n - 1) * self.plain_s / self.batch)
+            self.probe_risk -= refund
+            self.probe_loss_s -= refund
+        if cfg.topk in self.stats:
+            self.stats[cfg.topk].add(depths, accepted, cfg.depth)
+
+    def _check(self, seconds: float) -> None:
+        """A kept profile's first steps (the very first is left out: warm-up) against their
+        predictions; a batch calls observe once per sequence, counted once."""
+        checks = self.checks
+        if checks is None or self.steps < 2 or len(checks) >= self.steps - 1:
+            return
+        checks.append(seconds / self.predicted_s if self.predicted_s > 0 else 1.0)
+        if len(checks) == self.CHECK_STEPS:
+            ratio = float(np.median(checks))
+            self.contradicted = not 1 / self.CONTRADICTION <= ratio <= self.CONTRADICTION
+            self.checks = None
 
 
 def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, pool: str,
@@ -510,8 +656,12 @@ def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 
     """Markdown: each (depth, N, topk) tree's predicted step time and the tau it needs to
     match a plain step (step time / plain step time)."""
     plain = profile.plain_step_s()
+    spread = ", ".join(f"{what} {value:.0%}" for what, value in profile.spread.items())
+    doubts = "".join(f"in doubt: {d}\n" for d in profile.doubts())
     lines = [
         f"plain step: {1e3 * plain:.2f} ms ({profile.key})",
+        *([f"timings' spread (interquartile range / median): {spread}"] if spread else []),
+        *([doubts.rstrip()] if doubts else []),
         "| depth | N | topk | step ms | break-even τ |",
         "| --- | --- | --- | --- | --- |",
     ]
