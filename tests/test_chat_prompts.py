@@ -115,3 +115,30 @@ def test_shards_resume_and_reproduce(tmp_path: Path) -> None:
         assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
     with pytest.raises(ValueError, match="same settings"):
         sd.run(tmp_path / "d", **{**kw, "shards": 3, "max_new_tokens": 9})
+
+
+def test_head_trains_and_evaluates_from_shards(tmp_path: Path) -> None:
+    """head_shards on four tiny shards of the default pair: features recomputed by prefill,
+    unroll 7 over the draft vocabulary, a checkpoint, a resumed run on the same schedule, an
+    exported head; --evaluate scores an existing head on the same held-out windows."""
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
+    from rheo_engine.train import head_shards as hs
+
+    data = tmp_path / "d"
+    sd.run(data, shards=4, seed=2, prompts_per_shard=3, max_new_tokens=8, batch=4, max_len=1024,
+           dtype="float32", threads=1, pair="default")  # fmt: skip
+    seqs = hs.read_sequences(data, [0, 1])
+    assert seqs and all(len(ids) > p for ids, p in seqs)
+    common = ["--data", str(data), "--target", str(DEFAULT_PAIR / "target"), "--dtype",
+              "float32", "--window", str(hs.CONTEXT + 9), "--batch", "2", "--minutes", "1.5",
+              "--feature-layers", "2,4,5", "--draft-vocab", "512"]  # fmt: skip
+    work = tmp_path / "w"
+    r1 = hs.main([*common, "--work", str(work), "--max-steps", "3"])
+    assert len(r1["acc"]) == 7 and all(0 <= x <= 1 for x in r1["acc"])
+    assert json.loads((work / "ckpt.json").read_text())["step"] == 3
+    hs.main([*common, "--work", str(work), "--resume", "--max-steps", "5", "--out",
+             str(tmp_path / "head")])  # fmt: skip
+    assert json.loads((work / "ckpt.json").read_text())["step"] == 5
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+    ev = hs.main([*common[:-4], "--evaluate", str(DEFAULT_PAIR / "draft"), "--unroll", "2"])
+    assert len(ev["acc"]) == 2 and ev["positions"][0] > 0
