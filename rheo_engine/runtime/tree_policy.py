@@ -12,19 +12,22 @@ one: a level's cost is nearly flat in its rows on the pairs measured, see BENCHM
 takes a plain step when no tree beats it.
 
 - Costs: a ``CostProfile`` measured once per (model, device, dtype, threads, method family) on
-  the running machine (target forwards of n tree nodes, draft levels, verification), cached by
-  the engine for the process and on disk per machine (rheo_engine.machine), savable and
-  loadable as JSON. It is frozen while requests run, so a request's trees depend on its
-  profile, its seed and its prompt only: a seeded run reproduces on the same machine with the
-  same settings (and anywhere with the same saved profile).
+  the running machine (target forwards of n tree nodes, draft levels, verification, in
+  interleaved rounds until their spread is small; then real steps of a few shapes calibrate
+  it), cached by the engine for the process and on disk per machine (rheo_engine.machine),
+  savable and loadable as JSON. Predictions read it physically consistent (non-decreasing in
+  the tree size, no tree below a plain step); a profile in doubt (calibration factors that
+  disagree, a tree measured below a plain step) is measured again and never kept, and a kept
+  one that the first real steps contradict is measured again. Otherwise it is frozen while
+  requests run, so a request's trees depend on its profile, its seed and its prompt only.
 - Acceptance: every tree's nodes 1..N-1 are in prune rank order (proxy_rerank.h), so a past
   step also says what any smaller tree would have accepted: the top-(N'-1) nodes of depth
   <= D' are its first N'-1 nodes of depth <= D' (levels are grown identically and pruning keeps
   a prefix of the rank order), and a node's acceptance does not depend on lower-ranked nodes
   (exactly so at T = 0; approximately when sampling). ``AcceptanceStats`` replays each step
-  into every (D', N') cell it covers, as exponential moving sums, with a weak prior; cells no
-  step covered keep the prior, and the decay lets the prior come back after plain steps, which
-  re-probes speculation when the context may have become easier.
+  into every (D', N') cell it covers, as exponential moving sums over the steps that cover it.
+  Trees are chosen from that evidence alone; an optimistic prior only picks the probes, whose
+  predicted loss against plain steps is held to a small share of the time.
 
 Lossless (docs/tree_policy.md §7): choose() reads only the profile and what previous steps returned
 (their trees and verdicts) and the room/wanted counts known before the step; it never sees
