@@ -82,39 +82,42 @@ class Progress:
                   flush=True)  # fmt: skip
 
 
-def generate_replies(engine, prompts: list[list[int]], seeds: list[int], temperature: float,
-                     max_new_tokens: int, batch: int, max_len: int,
-                     progress: Progress, what: str) -> list[list[int]]:  # fmt: skip
-    """The target's reply to each prompt (token ids), ending with the EOS id that stopped it
-    (none when cut at max_new_tokens), decoded ``batch`` at a time on one BatchDecoder."""
+def decode_all(engine, jobs: list[tuple[list[int], int, object]], temperature: float,
+               max_new_tokens: int, batch: int, max_len: int, progress: Progress, what: str,
+               on_reply) -> None:  # fmt: skip
+    """Decode every job (prompt ids, seed, tag) ``batch`` at a time on one BatchDecoder, method
+    ar, refilling a slot as soon as its sequence ends. ``on_reply(tag, prompt, reply)`` gets each
+    reply (token ids, ending with the EOS that stopped it, none when cut at max_new_tokens) and
+    returns more jobs to queue (a follow-up turn), so no slot idles between rounds."""
     from rheo_engine.runtime.engine import engine_threads
 
     eos = engine.eos_ids
-    requests = [
-        engine.request(p, max_new_tokens, method="ar", temperature=temperature, top_p=1.0,
-                       top_k=0, min_p=0.0, repetition_penalty=1.0, seed=s)
-        for p, s in zip(prompts, seeds, strict=True)
-    ]  # fmt: skip
-    replies: list[list[int]] = [[] for _ in requests]
-    slot_of = {id(r): k for k, r in enumerate(requests)}
-    decoder = engine.decoder(max_batch=min(batch, len(requests)), max_len=max_len)
+    waiting = list(jobs)
+    replies: dict[int, tuple[list[int], list[int], object]] = {}
+    decoder = engine.decoder(max_batch=batch, max_len=max_len)
     try:
         with engine_threads(engine.threads):
-            waiting = list(requests)
             while waiting or decoder.running:
                 while waiting and not decoder.full:
-                    decoder.admit(waiting.pop(0))
+                    ids, seed, tag = waiting.pop(0)
+                    request = engine.request(ids, max_new_tokens, method="ar",
+                                             temperature=temperature, top_p=1.0, top_k=0,
+                                             min_p=0.0, repetition_penalty=1.0, seed=seed)  # fmt: skip
+                    replies[id(request)] = (ids, [], tag)
+                    decoder.admit(request)
                 for seq, kept, stop in decoder.step():
-                    k = slot_of[id(seq.request)]
-                    replies[k].extend(kept)
+                    ids, reply, tag = replies[id(seq.request)]
+                    reply.extend(kept)
                     n = len(kept)
                     if stop == "eos":
-                        replies[k].append(eos[0])  # the head learns where a reply ends
+                        reply.append(eos[0])  # the head learns where a reply ends
                         n += 1
                     progress.add(n, what)
+                    if stop is not None:
+                        del replies[id(seq.request)]
+                        waiting.extend(on_reply(tag, ids, reply))
     finally:
         decoder.close()
-    return replies
 
 
 def make_shard(engine, i: int, seed: int, n_prompts: int, max_new_tokens: int, batch: int,
@@ -122,42 +125,42 @@ def make_shard(engine, i: int, seed: int, n_prompts: int, max_new_tokens: int, b
     """Generate shard i (module docstring) and return its arrays and statistics."""
     tok = engine.tokenizer
     T = shard_temperature(i)
-    prompts = sample_prompts(shard_seed(seed, i), n_prompts)
+    base = shard_seed(seed, i)
+    prompts = sample_prompts(base, n_prompts)
     room = max_len - max_new_tokens
-    seqs: list[tuple[list[int], list[int], int, int]] = []  # (prompt, reply, category, round)
-    # Round 0: every prompt's first turn.
-    chats: list[tuple[ChatPrompt, list[dict]]] = []
-    for p in prompts:
-        messages = [{"role": "user", "content": p.turns[0]}]
-        if len(tok.encode_chat(messages)) <= room:
-            chats.append((p, messages))
-    ids0 = [tok.encode_chat(m) for _, m in chats]
-    seeds0 = [(shard_seed(seed, i) * 4096 + k) * 2 for k in range(len(ids0))]
-    what = f"shard {i} T={T:g}"
-    replies0 = generate_replies(engine, ids0, seeds0, T, max_new_tokens, batch, max_len, progress,
-                                what + " round 0")  # fmt: skip
-    follow: list[tuple[int, list[dict]]] = []  # (category, messages) of round 1
-    for (p, messages), ids, reply in zip(chats, ids0, replies0, strict=True):
-        seqs.append((ids, reply, CATEGORIES.index(p.category), 0))
+    seqs: list[tuple[int, list[int], list[int], int, int]] = []  # (k, prompt, reply, cat, round)
+
+    def on_reply(tag: tuple[int, int, list[dict]], ids: list[int], reply: list[int]) -> list:
+        k, rnd, messages = tag
+        p = prompts[k]
+        seqs.append((k, ids, reply, CATEGORIES.index(p.category), rnd))
+        if rnd == 1:
+            return []
         text = tok.decode([t for t in reply if t not in engine.eos_ids])
         if p.self_instruct:
             request = clean_request(text)
-            if request is not None:
-                follow.append((CATEGORIES.index(p.category), [{"role": "user", "content": request}]))
+            if request is None:
+                return []
+            follow = [{"role": "user", "content": request}]
         elif len(p.turns) > 1:
-            follow.append((CATEGORIES.index(p.category), messages + [
-                {"role": "assistant", "content": text}, {"role": "user", "content": p.turns[1]}]))
-    # Round 1: follow-ups and self-instructed requests.
-    follow = [(c, m) for c, m in follow if len(tok.encode_chat(m)) <= room]
-    ids1 = [tok.encode_chat(m) for _, m in follow]
-    seeds1 = [(shard_seed(seed, i) * 4096 + k) * 2 + 1 for k in range(len(ids1))]
-    if ids1:
-        replies1 = generate_replies(engine, ids1, seeds1, T, max_new_tokens, batch, max_len,
-                                    progress, what + " round 1")  # fmt: skip
-        for (c, _), ids, reply in zip(follow, ids1, replies1, strict=True):
-            seqs.append((ids, reply, c, 1))
+            follow = messages + [{"role": "assistant", "content": text},
+                                 {"role": "user", "content": p.turns[1]}]  # fmt: skip
+        else:
+            return []
+        ids1 = tok.encode_chat(follow)
+        return [(ids1, (base * 4096 + k) * 2 + 1, (k, 1, follow))] if len(ids1) <= room else []
+
+    jobs = []
+    for k, p in enumerate(prompts):
+        messages = [{"role": "user", "content": p.turns[0]}]
+        ids = tok.encode_chat(messages)
+        if len(ids) <= room:
+            jobs.append((ids, (base * 4096 + k) * 2, (k, 0, messages)))
+    decode_all(engine, jobs, T, max_new_tokens, batch, max_len, progress,
+               f"shard {i} T={T:g}", on_reply)  # fmt: skip
+    seqs.sort(key=lambda s: (s[4], s[0]))  # round 0 then 1, by prompt: the same on every run
     tokens, index, offset = [], [], 0
-    for ids, reply, c, rnd in seqs:
+    for _, ids, reply, c, rnd in seqs:
         if not reply:
             continue
         tokens.extend(ids + reply)
@@ -166,10 +169,9 @@ def make_shard(engine, i: int, seed: int, n_prompts: int, max_new_tokens: int, b
     positions = sum(r[2] - r[1] for r in index)
     return {
         "tokens": np.asarray(tokens, dtype=np.uint16), "index": np.asarray(index, dtype=np.int32),
-        "stats": {"temperature": T, "prompt_seed": shard_seed(seed, i), "prompts": len(prompts),
+        "stats": {"temperature": T, "prompt_seed": base, "prompts": len(prompts),
                   "sequences": len(index), "positions": positions, "tokens": len(tokens),
-                  "cut_at_max_new_tokens": sum(1 for _, r, _, _ in seqs
-                                               if len(r) >= max_new_tokens)},
+                  "cut_at_max_new_tokens": sum(1 for s in seqs if len(s[2]) >= max_new_tokens)},
     }  # fmt: skip
 
 
