@@ -5,7 +5,8 @@ Environment:
   RHEO_NO_CUDA=1          never build them
   TORCH_CUDA_ARCH_LIST    GPU archs, e.g. "8.0;9.0" (default: the GPUs present)
   MAX_JOBS                parallel compile jobs (ninja)
-Install with `pip install --no-build-isolation -e .` so the build uses the torch already installed.
+Install with `pip install --no-build-isolation .` (or `-e .` in a clone) so the build uses the
+torch already installed; pyproject.toml holds the name, version and dependencies.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import glob
 import os
 import sys
 
-import torch
-from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # one line instead of a traceback from inside pip
+    sys.exit("rheo-engine builds its C++ extension against torch: install torch==2.13.0 first "
+             "and build with `pip install --no-build-isolation .`, or let `pip install .` fetch "
+             "it for an isolated build")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -77,7 +85,35 @@ def _extension() -> tuple[object, str]:
     return ext, f"{info} ({why})"
 
 
+class BuildPy(build_py):
+    """Also copies weights/ (both pairs' files and their model card) into the package as
+    rheo_engine/weights, where runtime/pairs.py finds them in an installed wheel. An editable
+    install reads weights/ in the clone instead."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        dest = os.path.join(self.build_lib, "rheo_engine", "weights")
+        weights = os.path.join(ROOT, "weights")
+        for folder, _, names in os.walk(weights):
+            for name in names:
+                src = os.path.join(folder, name)
+                out = os.path.join(dest, os.path.relpath(src, weights))
+                self.mkpath(os.path.dirname(out))
+                self.copy_file(src, out, preserve_mode=False)
+
+
 class BuildExt(cpp_extension.BuildExtension):
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        # One object folder for every build, the editable install's too (setuptools gives it a
+        # temporary one): ninja recompiles only what changed, so a wheel built after
+        # `bash rheo.sh setup` (.ci/run) only links.
+        self.build_temp = os.path.join(
+            ROOT, "build", f"temp.{self.plat_name}-{sys.implementation.cache_tag}"
+        )
+
     def run(self) -> None:
         super().run()
         print(f"rheo_engine._C: {SUMMARY}", file=sys.stderr)
@@ -85,13 +121,8 @@ class BuildExt(cpp_extension.BuildExtension):
 
 EXTENSION, SUMMARY = _extension()
 
+# Name, version and dependencies: pyproject.toml's [project] table.
 setup(
-    name="rheo-engine",
-    version="0.1.0",
-    description="Lossless speculative decoding with RheoSampling over EAGLE-3 draft trees",
-    packages=find_packages(include=["rheo_engine", "rheo_engine.*"]),
-    python_requires=">=3.10",
-    install_requires=["numpy", "safetensors", "sentencepiece", "tiktoken", "tokenizers", "jinja2"],
     ext_modules=[EXTENSION],
-    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
+    cmdclass={"build_py": BuildPy, "build_ext": BuildExt.with_options(use_ninja=True)},
 )

