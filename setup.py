@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import sys
 
 from setuptools import setup
@@ -86,22 +87,30 @@ def _extension() -> tuple[object, str]:
 
 
 class BuildPy(build_py):
-    """Also copies weights/ (both pairs' files and their model card) into the package as
-    rheo_engine/weights, where runtime/pairs.py finds them in an installed wheel. An editable
-    install reads weights/ in the clone instead."""
+    """Also copies what the engine loads from weights/ (the default pair, each pair's head, the
+    model card; not training data) into the package as rheo_engine/weights, where
+    runtime/pairs.py finds them in an installed wheel. An editable install reads weights/ in the
+    clone instead."""
+
+    SHIPPED = ("README.md", "default", "*/head")
 
     def run(self) -> None:
         super().run()
         if getattr(self, "editable_mode", False):
             return
         dest = os.path.join(self.build_lib, "rheo_engine", "weights")
+        shutil.rmtree(dest, ignore_errors=True)  # nothing left from an earlier build
         weights = os.path.join(ROOT, "weights")
-        for folder, _, names in os.walk(weights):
-            for name in names:
-                src = os.path.join(folder, name)
-                out = os.path.join(dest, os.path.relpath(src, weights))
-                self.mkpath(os.path.dirname(out))
-                self.copy_file(src, out, preserve_mode=False)
+        files = []
+        for pattern in self.SHIPPED:
+            for top in glob.glob(os.path.join(weights, pattern)):
+                files += [top] if os.path.isfile(top) else [
+                    os.path.join(folder, name) for folder, _, names in os.walk(top) for name in names
+                ]  # fmt: skip
+        for src in sorted(files):
+            out = os.path.join(dest, os.path.relpath(src, weights))
+            self.mkpath(os.path.dirname(out))
+            self.copy_file(src, out, preserve_mode=False)
 
 
 class BuildExt(cpp_extension.BuildExtension):
