@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
 import json
 import os
@@ -33,10 +34,13 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from rheo_engine.config import METHODS
+from rheo_engine.config import METHODS, SamplingConfig, TreeConfig, check_count
+from rheo_engine.runtime import progress as engine_progress
 from rheo_engine.runtime.engine import TREES, Engine, Generation, Request
-from rheo_engine.runtime.request import DRAFTS
 from rheo_engine.runtime.pairs import PAIRS
+from rheo_engine.runtime.request import DRAFTS, MAX_TOP_LOGPROBS
+from rheo_engine.runtime.stops import check_stop
+from rheo_engine.spec.step import resolve_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROG = "python -m rheo_engine.generate"
@@ -136,12 +140,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see --help\n")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--prompt", help="text to continue (omit to read prompts from stdin)")
-    p.add_argument(
-        "--prompt-file", metavar="PATH", help="a UTF-8 text file whose whole content is the prompt"
-    )
+def parser(prog: str = PROG, description: str | None = None,
+           chat_mode: bool = False) -> argparse.ArgumentParser:  # fmt: skip
+    """The CLI's flags; ``chat_mode``: those of rheo_engine.chat (no prompt, JSON or logprobs
+    flags: the prompts are typed, the chat template always applies)."""
+    p = _Parser(prog=prog, description=description or __doc__.split("\n")[0])
+    if chat_mode:
+        p.set_defaults(prompt=None, prompt_file=None, json=False, logprobs=False,
+                       top_logprobs=0, chat=True)  # fmt: skip
+    else:
+        p.add_argument("--prompt", help="text to continue (omit to read prompts from stdin)")
+        p.add_argument(
+            "--prompt-file", metavar="PATH",
+            help="a UTF-8 text file whose whole content is the prompt",
+        )  # fmt: skip
     p.add_argument(
         "--pair", choices=sorted(PAIRS),
         help="a named target + head: " + "; ".join(f"{n}: {q.about}" for n, q in PAIRS.items()),
@@ -179,14 +191,16 @@ def parser() -> argparse.ArgumentParser:
         "--min-new-tokens", type=int, default=0,
         help="EOS cannot be sampled (and stop strings do not count) before this many tokens",
     )  # fmt: skip
-    p.add_argument(
-        "--logprobs", action="store_true",
-        help="with --json: each token's log-probability under the distribution it was drawn from",
-    )  # fmt: skip
-    p.add_argument(
-        "--top-logprobs", type=int, default=0, metavar="N",
-        help="with --logprobs: also the N most likely tokens at each position (N <= 20)",
-    )  # fmt: skip
+    if not chat_mode:
+        p.add_argument(
+            "--logprobs", action="store_true",
+            help="with --json: each token's log-probability under the distribution it was drawn "
+            "from",
+        )  # fmt: skip
+        p.add_argument(
+            "--top-logprobs", type=int, default=0, metavar="N",
+            help="with --logprobs: also the N most likely tokens at each position (N <= 20)",
+        )  # fmt: skip
     p.add_argument(
         "--seed", type=int, default=-1,
         help="Philox seed in [0, 2**64); -1 (default) draws a fresh one. The seed used is in the "
@@ -236,6 +250,16 @@ def parser() -> argparse.ArgumentParser:
         "mode; also RHEO_TP_CHECK=1)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    p.add_argument(
+        "--quiet", action="store_true",
+        help="no progress on stderr while the model loads or the engine measures this machine",
+    )  # fmt: skip
+    if chat_mode:
+        p.add_argument(
+            "--chat-template", metavar="NAME",
+            help="model (the target's own; the default when it has one), vicuna_v1.1 or llama-3",
+        )  # fmt: skip
+        return p
     p.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="wrap the prompt in the chat template (default: on when the target has its own "
@@ -490,7 +514,36 @@ def _check_cost_profile(path: str) -> None:
         )
 
 
-def _run(args: argparse.Namespace, progress: Progress) -> None:
+@contextlib.contextmanager
+def shown(what: str, quiet: bool = False) -> Iterator[None]:
+    """``what`` and its elapsed time on stderr while the block runs, once it has taken a
+    second (a tqdm line, cleared at the end); nothing with ``quiet`` (--quiet)."""
+    if quiet:
+        yield
+        return
+    from tqdm import tqdm
+
+    done = threading.Event()
+
+    def show() -> None:
+        if done.wait(1.0):
+            return
+        with tqdm(desc=what, bar_format="{desc}: {elapsed}", file=sys.stderr, leave=False) as bar:
+            while not done.wait(0.25):
+                bar.refresh()
+
+    shower = threading.Thread(target=show, daemon=True)
+    shower.start()
+    try:
+        yield
+    finally:
+        done.set()
+        shower.join()
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Every flag value that needs no model, checked before one loads (seconds for a real
+    model): in the API's spelling, which main() rewrites as flags."""
     if args.prompt is not None and args.prompt_file is not None:
         raise BadInput(
             "--prompt and --prompt-file were both given; pass one of them (or neither, to read "
@@ -509,16 +562,74 @@ def _run(args: argparse.Namespace, progress: Progress) -> None:
         )
     if args.cost_profile is not None:
         _check_cost_profile(args.cost_profile)
-    dtype = None if args.dtype is None else _DTYPES[args.dtype]
     if args.tensor_parallel < 1:
         raise BadInput(f"--tensor-parallel {args.tensor_parallel} must be >= 1 (1: one device)")
-    engine = Engine.from_pretrained(
-        args.target, args.draft, args.device, dtype, args.pair, args.threads,
-        tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,
-    )  # fmt: skip
+    # What Request checks once the model is there, checked now: the tree, the sampling values
+    # given (the rest come from the model and are checked when read), the counts and stops.
+    TreeConfig(args.method, args.topk, args.depth, args.total_tokens, args.leads, args.support)
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                    "repetition_penalty") if getattr(args, name)
+             is not None}  # fmt: skip
+    SamplingConfig(**given, presence_penalty=args.presence_penalty,
+                   frequency_penalty=args.frequency_penalty)  # fmt: skip
+    check_count("max_new_tokens", args.max_new_tokens, 1)
+    check_count("min_new_tokens", args.min_new_tokens)
+    if args.min_new_tokens > args.max_new_tokens:
+        raise BadInput(f"--min-new-tokens {args.min_new_tokens} exceeds --max-new-tokens "
+                       f"{args.max_new_tokens}; raise --max-new-tokens or lower --min-new-tokens")  # fmt: skip
+    if check_count("top_logprobs", args.top_logprobs) > MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"top_logprobs={args.top_logprobs} must be <= {MAX_TOP_LOGPROBS}, as in OpenAI's API"
+        )
+    check_stop(args.stop)
+    resolve_seed(args.seed)
+    if args.method != "ar" and args.total_tokens > 1 and args.depth > args.total_tokens - 1:
+        raise BadInput(
+            f"--depth {args.depth} cannot be reached: a tree of --total-tokens "
+            f"{args.total_tokens} holds at most {args.total_tokens - 1} levels below the root; "
+            f"pass --depth {args.total_tokens - 1} or less, or raise --total-tokens"
+        )
+
+
+def load(args: argparse.Namespace) -> Engine:
+    """The engine of the flags, with progress while it loads; then the flags that need the
+    model: --max-new-tokens against its context."""
+    what = f"loading the {args.pair or 'default'} pair" if args.target is None else (
+        f"loading {args.target}")  # fmt: skip
+    dtype = None if args.dtype is None else _DTYPES[args.dtype]
+    with shown(what, args.quiet):
+        engine = Engine.from_pretrained(
+            args.target, args.draft, args.device, dtype, args.pair, args.threads,
+            tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,
+        )  # fmt: skip
+    context = engine.target.cfg.max_position_embeddings
+    if args.max_new_tokens >= context:
+        raise BadInput(
+            f"--max-new-tokens {args.max_new_tokens} does not fit the target's context of "
+            f"{context} tokens, which the prompt shares; pass --max-new-tokens {context - 1} or "
+            "less"
+        )
+    return engine
+
+
+@contextlib.contextmanager
+def progress_shown(quiet: bool) -> Iterator[None]:
+    """The engine's waits (runtime/progress.py: its first-use measurements) shown while the
+    block runs, unless ``quiet``."""
+    before = engine_progress.set_display(None if quiet else shown)
+    try:
+        yield
+    finally:
+        engine_progress.set_display(before)
+
+
+def _run(args: argparse.Namespace, progress: Progress) -> None:
+    check_flags(args)
+    engine = load(args)
     progress.threads = engine.threads or torch.get_num_threads()
-    for prompt in prompts(args):
-        run_one(engine, prompt, args, progress)
+    with progress_shown(args.quiet):
+        for prompt in prompts(args):
+            run_one(engine, prompt, args, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

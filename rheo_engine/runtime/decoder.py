@@ -45,11 +45,13 @@ from rheo_engine.runtime.lookup_policy import (
     StepCosts,
     cached_costs,
     choose_nodes,
+    costs_from_profile,
     costs_key,
     extra_nodes,
     keep_costs,
     measure_costs,
 )
+from rheo_engine.runtime.progress import waits
 from rheo_engine.runtime.request import Request
 from rheo_engine.runtime.tree_policy import (
     AutoTree,
@@ -474,10 +476,11 @@ class BatchDecoder:
         for s in seqs:
             cfg = s.request.tree_cfg
             s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk)
-            if costs is not None and (s.local is None or s.local.costs is not costs):
+            if costs is not None and not costs.pinned and (s.local is None
+                                                            or s.local.costs is not costs):
                 s.local = LocalCosts(costs)
-            n, depth = choose_nodes(s.cands, s.local if costs else None, room(s), wanted(s),
-                                    cfg.total_tokens)  # fmt: skip
+            local = s.local if costs is not None and not costs.pinned else costs
+            n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens)
             if n == 1:
                 plain.append(s)
             else:
@@ -532,10 +535,15 @@ class BatchDecoder:
         return parts
 
     def _lookup_costs(self, seq: SeqState) -> StepCosts:
-        """What target steps of n rows cost here (lookup_policy.StepCosts): kept for this
-        (model, device, dtype, threads) in the process and on the machine, else measured now on
-        this sequence's slot (its trees run and are never committed; the time goes to the
+        """What target steps of n rows cost here (lookup_policy.StepCosts): from the request's
+        own cost profile when it brings one (its target and verification times: the trees
+        then reproduce, and no step time corrects them); else kept for this (model, device,
+        dtype, threads) in the process and on the machine, else measured now on this
+        sequence's slot (its trees run and are never committed; the time goes to the
         request's measure_s)."""
+        pinned = seq.request.cost_profile
+        if isinstance(pinned, CostProfile):
+            return costs_from_profile(pinned)
         target = self.target
         tp = 1 if target.tp is None else target.tp.size
         key = costs_key(target.cfg, target.device, target.dtype, tp)
@@ -549,6 +557,7 @@ class BatchDecoder:
         self.profiles[key] = costs
         return costs
 
+    @waits("measuring this machine's lookup step costs (once per model, dtype, threads)")
     def _measure_lookup(self, seq: SeqState, key: str) -> StepCosts:
         request = seq.request
         view = self.pool.batch([seq.slot])
@@ -709,6 +718,7 @@ class BatchDecoder:
         §4)."""
         request, cfg = seq.request, seq.request.tree_cfg
 
+        @waits("measuring this machine's step costs (once per model, dtype, threads, T = 0/> 0)")
         def measured(key: str) -> CostProfile:
             start = time.perf_counter()
             for _ in range(2):
