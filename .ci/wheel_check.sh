@@ -45,7 +45,7 @@ PYEOF
 
 echo "== generate from $PWD"
 OMP_NUM_THREADS=1 "$vpy" -m rheo_engine.generate --prompt "def f(x):" --max-new-tokens 8 \
-  --threads 1 >generate.out
+  --threads 1 --quiet >generate.out
 test -s generate.out || { echo "generate printed nothing" >&2; exit 1; }
 
 echo "== server from $PWD"

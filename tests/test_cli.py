@@ -8,6 +8,7 @@ a closed pipe and Ctrl-C with real subprocesses.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import json
@@ -580,3 +581,91 @@ def test_chat_follows_the_model_and_a_named_template(capsys):
                              "--temperature", "0", "--method", "ar", "--json", *argv)  # fmt: skip
         assert code == 0, err
         assert json.loads(out.splitlines()[0])["token_ids"] == want, argv
+
+
+# --- issue 28: flags checked before the model loads, limits said, progress, --quiet ---------
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
+    (["--top-p", "2"], "--top-p 2.0 must be in (0, 1]"),
+    (["--seed", "-5"], "--seed -5 is outside [0, 2**64)"),
+    (["--topk", "0"], "--topk 0 must be >= 1"),
+    (["--depth", "100"], "--depth 100 cannot be reached: a tree of --total-tokens 60 holds at "
+                         "most 59 levels"),
+])  # fmt: skip
+def test_flags_checked_before_the_model_loads(capsys, monkeypatch, flags, says):
+    def no_load(*_, **__):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(Engine, "from_pretrained", no_load)
+    assert main(["--prompt", PROMPT, *flags]) == 2
+    assert says in one_error_line(capsys.readouterr().err)
+
+
+def test_max_new_tokens_over_the_context(capsys):
+    context = json.loads((TARGET / "config.json").read_text())["max_position_embeddings"]
+    assert main(["--prompt", PROMPT, "--max-new-tokens", "100000"]) == 2
+    assert (f"--max-new-tokens 100000 does not fit the target's context of {context} tokens"
+            in one_error_line(capsys.readouterr().err))  # fmt: skip
+    assert main(["--prompt", PROMPT, "--max-new-tokens", str(context - 1), "--method", "ar",
+                 "--stop", "\n"]) == 0  # fmt: skip
+
+
+def test_progress_after_a_second_and_quiet(capsys):
+    import time as clock
+
+    from rheo_engine.entrypoints.generate import shown
+
+    with shown("loading a slow model"):
+        clock.sleep(1.5)
+    assert "loading a slow model: 00:01" in capsys.readouterr().err
+    with shown("loading a quick model"):
+        clock.sleep(0.2)
+    with shown("loading a slow model", quiet=True):
+        clock.sleep(1.5)
+    assert capsys.readouterr().err == ""
+
+
+def test_measurements_are_shown(monkeypatch, tmp_path):
+    """The engine's first-use measurements (tree costs, lookup costs) go through the progress
+    hook, which the CLI shows unless --quiet."""
+    from rheo_engine.entrypoints.generate import progress_shown
+    from rheo_engine.runtime import decoder, progress
+
+    monkeypatch.setattr(decoder, "cached_costs", lambda key: None)
+    monkeypatch.setattr(decoder, "cached_profile", lambda key: None)
+    seen = []
+
+    def spy(what):
+        seen.append(what)
+        return contextlib.nullcontext()
+
+    progress.set_display(spy)
+    try:
+        engine = Engine.from_pretrained(TARGET, DRAFT, threads=1)
+        engine.generate("def f(x):", 4, temperature=0, drafts="both")
+    finally:
+        progress.set_display(None)
+    assert any("step costs" in w for w in seen) and any("lookup" in w for w in seen), seen
+    with progress_shown(quiet=True):
+        assert progress._display is None
+    with progress_shown(quiet=False):
+        assert progress._display is not None
+
+
+def test_smollm2_ships_its_sampling_defaults(tmp_path):
+    """The head's generation_config.json fills what a target lacks (a GGUF file: no sampling
+    values), and the stats line says generation_config.json."""
+    from rheo_engine.io.generation_config import GenerationDefaults
+    from rheo_engine.runtime.engine import _head_defaults
+    from rheo_engine.runtime.pairs import PAIRS
+
+    head = PAIRS["smollm2"].draft()
+    shipped = GenerationDefaults.from_dir(head)
+    assert (shipped.temperature, shipped.top_p) == (0.2, 0.9)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7, "top_p": 0.5}')
+    target = GenerationDefaults.from_dir(tmp_path)
+    got = _head_defaults(target, head)
+    assert (got.temperature, got.top_p, got.eos_token_ids) == (0.2, 0.5, (7,))
+    assert _head_defaults(None, head) == shipped and _head_defaults(target, None) == target

@@ -523,12 +523,13 @@ def shown(what: str, quiet: bool = False) -> Iterator[None]:
         return
     from tqdm import tqdm
 
-    done = threading.Event()
+    done, start = threading.Event(), time.time()
 
     def show() -> None:
         if done.wait(1.0):
             return
         with tqdm(desc=what, bar_format="{desc}: {elapsed}", file=sys.stderr, leave=False) as bar:
+            bar.start_t = start  # the elapsed time counts from the start of the wait
             while not done.wait(0.25):
                 bar.refresh()
 

@@ -11,6 +11,7 @@ read-only kernels. An engine computes on ``engine.threads`` CPU threads and leav
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -377,6 +378,23 @@ def default_chat(tokenizer: Tokenizer, chat_template: str | None = None) -> bool
     return chat_template is not None or tokenizer.default_chat_template == MODEL_TEMPLATE
 
 
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _head_defaults(defaults: GenerationDefaults | None, draft) -> GenerationDefaults | None:
+    """The target's generation defaults, with the sampling values it lacks (a GGUF file carries
+    none) taken from a generation_config.json beside the head: the smollm2 pair ships its model
+    card's there (weights/smollm2/head/). The target's own values and EOS ids always win."""
+    shipped = None if draft is None else GenerationDefaults.from_dir(draft)
+    if shipped is None or defaults is None:
+        return defaults or shipped
+    taken = {n: getattr(shipped, n) for n in _SAMPLING
+             if getattr(defaults, n) is None and getattr(shipped, n) is not None}  # fmt: skip
+    if not taken:
+        return defaults
+    return dataclasses.replace(defaults, **taken, path=shipped.path)
+
+
 def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target, draft,
           dtype) -> Engine:  # fmt: skip
     """One process's Engine: the whole target, or (``tp``) this rank's part of it; the head
@@ -389,6 +407,7 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
     else:
         model = LlamaModel.from_pretrained(target, device=device, dtype=dtype, tp=tp)
         tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
+    defaults = _head_defaults(defaults, draft)
     # The head in the target's dtype unless told (None: the same), as a dtype or its name.
     head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, model.dtype)
     n_threads = None
