@@ -669,3 +669,14 @@ def test_smollm2_ships_its_sampling_defaults(tmp_path):
     got = _head_defaults(target, head)
     assert (got.temperature, got.top_p, got.eos_token_ids) == (0.2, 0.5, (7,))
     assert _head_defaults(None, head) == shipped and _head_defaults(target, None) == target
+
+
+def test_demo_prints_no_timings():
+    """`bash rheo.sh demo`: tau and target calls per method; no steps/s, which on a toy target
+    read as 'rheo is 60x slower'."""
+    out = subprocess.run([sys.executable, "-m", "rheo_engine.entrypoints.demo", "--batch", "2",
+                          "--new-tokens", "8", "--temperatures", "0"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout  # fmt: skip
+    assert "steps/s" not in out and "calls" in out
+    ar = next(line.split() for line in out.splitlines() if line.split()[1:2] == ["ar"])
+    assert float(ar[2]) == 1.0 and float(ar[3]) == 8.0  # one call per token

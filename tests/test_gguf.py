@@ -142,6 +142,10 @@ def test_convert_gguf_writes_an_hf_directory(files, tmp_path):
         "tokenizer_config.json",
         "generation_config.json",
     }
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # model.safetensors was 0600
     ids = [1, 9, 99, 999]
     a = _logits(LlamaModel.from_pretrained(out), ids)
     b = _logits(LlamaModel.from_pretrained(files["Q8_0"], dtype=torch.float32), ids)

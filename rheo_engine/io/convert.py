@@ -171,6 +171,7 @@ def convert_llama2c(
     (out / "config.json").write_text(json.dumps(_llama2c_config(h), indent=2) + "\n")
     save_safetensors(tensors, out / "model.safetensors")
     shutil.copyfile(tokenizer_model, out / "tokenizer.model")
+    _plain_modes(out)
     return out
 
 
@@ -184,7 +185,18 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike,
     ckpt = read_gguf(gguf_file)
     check_weights(ModelConfig.from_dict(ckpt.config, str(gguf_file)), ckpt.tensors)
     ckpt.save(out, dtype)
+    _plain_modes(out)
     return out
+
+
+def _plain_modes(out: Path) -> None:
+    """Every file written into ``out`` with the mode a new file gets here (0644 under the usual
+    umask): the safetensors writer makes model.safetensors 0600, unreadable to other users."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 class _Parser(argparse.ArgumentParser):
