@@ -142,3 +142,4 @@ def test_head_trains_and_evaluates_from_shards(tmp_path: Path) -> None:
     assert (tmp_path / "head" / "model.safetensors").is_file()
     ev = hs.main([*common[:-4], "--evaluate", str(DEFAULT_PAIR / "draft"), "--unroll", "2"])
     assert len(ev["acc"]) == 2 and ev["positions"][0] > 0
+    hs.main([*common, "--init-from", str(tmp_path / "head"), "--max-steps", "1"])

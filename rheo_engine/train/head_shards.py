@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--out", type=Path, help="export the head here at the end (must not exist)")
     p.add_argument("--evaluate", type=Path, help="only evaluate this head on the held-out shards")
+    p.add_argument("--init-from", type=Path,
+                   help="start from this head (its weights, feature layers, draft vocabulary)")
     p.add_argument("--minutes", type=float, default=60.0)
     p.add_argument("--max-steps", type=int, default=20000, help="the schedule's length, all runs")
     p.add_argument("--feature-layers", type=parse_layers, help="default: EAGLE's (2, N//2, N-3)")
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--window", type=int, default=CONTEXT + 321, help="positions per window")
     p.add_argument("--train-sequences", type=int, default=1024, help="held in memory at once")
     p.add_argument("--val-sequences", type=int, default=128)
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, a.dtype)
     target = load_target(a.target, "cpu", dtype)
     t = target.cfg
-    val_seqs = read_sequences(a.data, list(VAL_SHARDS))[: a.val_sequences]
+    held_out = read_sequences(a.data, list(VAL_SHARDS))
+    val_seqs = held_out[:: max(1, len(held_out) // a.val_sequences)][: a.val_sequences]
     if not val_seqs:
         raise FileNotFoundError(f"no held-out shards {VAL_SHARDS} in {a.data}; make them first")
     train_ids = [i for i in available_shards(a.data) if i not in VAL_SHARDS]
@@ -158,14 +162,20 @@ def main(argv: list[str] | None = None) -> dict:
     train_seqs = read_sequences(a.data, train_ids)
     if not train_seqs:
         raise FileNotFoundError(f"no training shards (2..) in {a.data}")
-    cfg = HeadTrainConfig(feature_layers=resolve_feature_layers(t, a.feature_layers), draft_vocab=a.draft_vocab,
-                          unroll=a.unroll, batch=a.batch, lr=a.lr, max_steps=a.max_steps,
-                          seed=a.seed, store_dtype="bfloat16", chat=True)  # fmt: skip
+    cfg = HeadTrainConfig(feature_layers=resolve_feature_layers(t, a.feature_layers),
+                          draft_vocab=a.draft_vocab, unroll=a.unroll, batch=a.batch, lr=a.lr,
+                          warmup=a.warmup, max_steps=a.max_steps, seed=a.seed,
+                          store_dtype="bfloat16", chat=True)  # fmt: skip
     hcfg = head_config(t, cfg)
     rng = np.random.default_rng(a.seed)
     pick = rng.permutation(len(train_seqs))[: a.train_sequences]
     chosen = [train_seqs[k] for k in sorted(pick)]
     used = draft_vocabulary_of(train_seqs, t.vocab_size, a.draft_vocab)
+    init = None if a.init_from is None else read_head(a.init_from, t)
+    if init is not None:  # its lm_head rows are its own draft vocabulary's
+        layers, used, weights = init
+        cfg = replace(cfg, feature_layers=layers, draft_vocab=len(used))
+        hcfg = head_config(t, cfg)
     t0 = time.perf_counter()
     train = sequence_features(target, chosen, a.window, cfg.feature_layers, dtype)
     val = sequence_features(target, val_seqs, a.window, cfg.feature_layers, dtype)
@@ -175,10 +185,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"({(positions + int(val.lengths.sum())) / (time.perf_counter() - t0):.0f} positions/s)",
           flush=True)  # fmt: skip
     trainer = Trainer(cfg, hcfg, target, used, train, val, "cpu")
+    if init is not None and not a.resume:
+        trainer.model.load_state_dict(init[2])
     if a.resume:
         trainer.load(a.work)
     if a.work is not None:
         a.work.mkdir(parents=True, exist_ok=True)
+    q = quick_eval(trainer, val, a.val_quick)
+    print(f"step {trainer.progress['step']} (start) | held-out acc {fmt(q['acc'])}", flush=True)
     window, last_line, last_ckpt = Window(cfg.unroll), time.perf_counter(), time.perf_counter()
     start_step, t_train = trainer.progress["step"], time.perf_counter()
     while trainer.progress["step"] < cfg.max_steps and budget.left() > 60:
@@ -210,21 +224,28 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def read_head(path: Path, t) -> tuple[tuple[int, ...], torch.Tensor, dict]:
+    """(feature layers, draft vocabulary as ascending target ids, trainable weights) of a head
+    directory written by train.head / head_shards."""
+    config = json.loads((path / "config.json").read_text())
+    w = load_safetensors(path / "model.safetensors")
+    layers = tuple(config.get("eagle_aux_hidden_state_layer_ids") or
+                   resolve_feature_layers(t, None))  # fmt: skip
+    Vd = int(config.get("draft_vocab_size", t.vocab_size))
+    used = (w["d2t"].long() + torch.arange(Vd)) if "d2t" in w else torch.arange(Vd)
+    return layers, used, {k: v.float() for k, v in w.items() if k not in ("d2t", "t2d")}
+
+
 def evaluate_head(a: argparse.Namespace, target: LlamaModel, val_seqs, budget: Budget) -> dict:
     """Top-1 per unroll step of an existing head on the held-out windows (same loss code)."""
-    hcfg_json = json.loads((a.evaluate / "config.json").read_text())
-    w = load_safetensors(a.evaluate / "model.safetensors")
-    layers = tuple(hcfg_json.get("eagle_aux_hidden_state_layer_ids") or
-                   resolve_feature_layers(target.cfg, None))  # fmt: skip
-    Vd = int(hcfg_json.get("draft_vocab_size", target.cfg.vocab_size))
-    cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=Vd, unroll=a.unroll,
+    layers, used, weights = read_head(a.evaluate, target.cfg)
+    cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=len(used), unroll=a.unroll,
                           batch=a.batch, chat=True)  # fmt: skip
     hcfg = head_config(target.cfg, cfg)
-    used = (w["d2t"].long() + torch.arange(Vd)) if "d2t" in w else torch.arange(Vd)
     val = sequence_features(target, val_seqs, a.window, layers, getattr(torch, a.dtype))
     empty = HeadData(val.tokens[:0], val.features[:0], val.hidden[:0], val.lengths[:0], CONTEXT)
     trainer = Trainer(cfg, hcfg, target, used, empty, val, "cpu")
-    trainer.model.load_state_dict({k: v.float() for k, v in w.items() if k not in ("d2t", "t2d")})
+    trainer.model.load_state_dict(weights)
     result = trainer.evaluate()
     print(f"{a.evaluate}: held-out ({len(val_seqs)} windows, shards {VAL_SHARDS}) acc per step "
           f"{fmt(result['acc'])} | positions {result['positions']} | "
