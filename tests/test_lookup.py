@@ -560,3 +560,16 @@ def test_a_sequences_own_steps_correct_the_costs():
     for _ in range(12):
         local.observe(6, 1.1)
     assert choose_nodes(cands, local, 100, 100, 60)[0] > 2
+
+
+def test_a_cost_profile_pins_the_lookup_costs():
+    """A request's cost_profile= fixes lookup's step costs too (target + verification), and no
+    step time corrects them: its trees reproduce."""
+    from rheo_engine.runtime.lookup_policy import costs_from_profile
+    from rheo_engine.runtime.tree_policy import CostProfile
+
+    profile = CostProfile("toy", {1: 1.0, 4: 1.2, 16: 2.0}, 0.0, {4: 0.1}, {1: 0.1, 16: 0.3})
+    costs = costs_from_profile(profile)
+    assert costs.pinned
+    assert costs.cost(1) == pytest.approx(1.1) and costs.cost(16) == pytest.approx(2.3)
+    assert all(costs.cost(a) <= costs.cost(b) for a, b in zip(range(1, 32), range(2, 33)))

@@ -36,6 +36,7 @@ class StepCosts:
     step_s: dict[int, float]
     spread: float = 0.0
     measure_s: float = 0.0
+    pinned: bool = False  # from a request's cost_profile=: no step time corrects it
 
     def cost(self, n: int) -> float:
         """Seconds at n rows: linear between measured sizes, past the last by its slope."""
@@ -112,6 +113,16 @@ def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
     fastest = {n: min(ts) for n, ts in times.items()}
     spread = max(statistics.median(ts) / min(ts) for ts in times.values())
     return StepCosts(key, monotone(fastest), spread, time.perf_counter() - start)
+
+
+def costs_from_profile(profile) -> StepCosts:
+    """The step costs a head's CostProfile (tree_policy) implies: a target forward over n rows
+    plus a verification of n nodes, pinned (a request that brings a profile reproduces its
+    trees)."""
+    sizes = sorted(set(SIZES) | set(profile.target_s))
+    verify = StepCosts("verify", monotone(profile.verify_s)) if profile.verify_s else None
+    steps = {n: profile.target(n) + (verify.cost(n) if verify else 0.0) for n in sizes}
+    return StepCosts(f"from {profile.key}", monotone(steps), pinned=True)
 
 
 def cached_costs(key: str) -> StepCosts | None:
