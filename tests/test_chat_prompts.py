@@ -79,7 +79,7 @@ def test_passages_come_from_the_stdlib_training_split() -> None:
     ("reply", "want"),
     [
         ('"What makes honeybees dance?"', "What makes honeybees dance?"),
-        ("Question: Why is the sky blue at noon?\n\nIt is because...", "Why is the sky blue at noon?"),
+        ("Question: Why is the sky blue?\n\nIt is because...", "Why is the sky blue?"),
         ("ok", None),
         ("", None),
     ],

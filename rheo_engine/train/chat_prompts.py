@@ -115,7 +115,8 @@ STEM_TOPICS = (
     "electric circuits", "radio waves", "nuclear fusion", "cell division", "protein synthesis",
     "the greenhouse effect", "binary numbers", "sorting algorithms", "recursion",
     "hash tables", "compound interest", "statistics and averages", "the theory of relativity",
-    "quantum mechanics", "friction", "buoyancy", "the nitrogen cycle", "photosynthesis vs respiration",
+    "quantum mechanics", "friction", "buoyancy", "the nitrogen cycle",
+    "photosynthesis vs respiration",
 )
 HUMANITIES = (
     "Summarize the main causes of {h}.", "Why is {h} important today?",
@@ -158,7 +159,7 @@ EXTRACTION = (
     "List every function or parameter name mentioned in this passage:\n\n{p}",
     "Extract the key facts from this passage as bullet points:\n\n{p}",
     "From the passage below, extract what the thing described returns, if anything.\n\n{p}",
-    "Turn this passage into a JSON object with fields \"name\", \"purpose\" and \"details\":\n\n{p}",
+    'Turn this passage into a JSON object with fields "name", "purpose" and "details":\n\n{p}',
 )
 SUMMARY = (
     "Summarize this passage in two sentences:\n\n{p}",
@@ -212,7 +213,8 @@ def math_problem(rng: random.Random) -> str:
         f"{name} has {a} {item} and buys {b} more. Then {name} gives away {c}. How many {item} "
         f"does {name} have now?",
         f"Each of {c} boxes holds {a} {item}. {name} sells {b} {item}. How many are left?",
-        f"{name} buys {a} {item} at ${price} each and pays with a ${(int(a * price) // 10 + 1) * 10}"
+        f"{name} buys {a} {item} at ${price} each and pays with a "
+        f"${(int(a * price) // 10 + 1) * 10}"
         f" bill. How much change does {name} get?",
         f"A train travels {a * 10} km in {c} hours. What is its average speed? How far would it "
         f"go in {b} hours at that speed?",
@@ -300,7 +302,8 @@ def first_turn(category: str, rng: random.Random) -> str:
         table = {"extraction": EXTRACTION, "summary": SUMMARY, "passage_qa": PASSAGE_QA}
         return rng.choice(table[category]).format(p=rng.choice(passages()))
     if category == "translation":
-        return rng.choice(TRANSLATION).format(lang=rng.choice(LANGUAGES), s=translation_sentence(rng))
+        template = rng.choice(TRANSLATION)
+        return template.format(lang=rng.choice(LANGUAGES), s=translation_sentence(rng))
     if category == "stem":
         return rng.choice(STEM).format(s=rng.choice(STEM_TOPICS))
     if category == "humanities":

@@ -1,7 +1,7 @@
 """Train (or evaluate) an EAGLE-3 head on token-id shards of smollm2_data (issue 26).
 
     python -m rheo_engine.train.head_shards --data weights/smollm2/data --work W --minutes 60
-    python -m rheo_engine.train.head_shards --data weights/smollm2/data --evaluate weights/smollm2/head
+    python -m rheo_engine.train.head_shards --evaluate weights/smollm2/head
 
 The shards hold token ids only; the features and the target's final states are recomputed
 here by one prefill per sequence (``sequence_features``). Each sequence becomes a window of

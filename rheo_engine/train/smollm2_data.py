@@ -100,9 +100,10 @@ def decode_all(engine, jobs: list[tuple[list[int], int, object]], temperature: f
             while waiting or decoder.running:
                 while waiting and not decoder.full:
                     ids, seed, tag = waiting.pop(0)
-                    request = engine.request(ids, max_new_tokens, method="ar",
-                                             temperature=temperature, top_p=1.0, top_k=0,
-                                             min_p=0.0, repetition_penalty=1.0, seed=seed)  # fmt: skip
+                    request = engine.request(
+                        ids, max_new_tokens, method="ar", temperature=temperature, top_p=1.0,
+                        top_k=0, min_p=0.0, repetition_penalty=1.0, seed=seed,
+                    )  # fmt: skip
                     replies[id(request)] = (ids, [], tag)
                     decoder.admit(request)
                 for seq, kept, stop in decoder.step():
@@ -261,7 +262,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.shards < 1 or a.prompts_per_shard < 1 or a.max_new_tokens >= a.max_len:
-        raise SystemExit("need --shards >= 1, --prompts-per-shard >= 1, --max-new-tokens < --max-len")
+        raise SystemExit(
+            "need --shards >= 1, --prompts-per-shard >= 1 and --max-new-tokens < --max-len"
+        )
     run(a.out, a.shards, a.seed, a.prompts_per_shard, a.max_new_tokens, a.batch, a.max_len,
         a.dtype, a.threads, a.first)  # fmt: skip
 
