@@ -1,9 +1,12 @@
-"""Every fenced code block of README.md, read from the README at test time, runs or is checked.
+"""Every fenced code block of README.md and of every docs/*.md page, read from the pages at test
+time, runs or is checked.
 
-- ```python blocks run as written on the embedded default pair, each in its own test. The first
-  one is self-contained (it imports rheo_engine and loads `engine`); every later block runs in a
-  copy of the names the first one left, so it may use `rheo_engine` and `engine` but sees nothing
-  of the other blocks. Top-level `await` runs as in `python -m asyncio`. Each block runs in a
+- ```python blocks run as written, each in its own test, on the embedded default pair unless
+  they name another (a block that names the smollm2 pair runs where its GGUF file is installed,
+  as `bash rheo.sh setup` installs it, and skips saying why elsewhere). The first block of each
+  page is self-contained (it imports rheo_engine and loads `engine`); a later block of the same
+  page that reads names it does not bind runs in a copy of the names the page's first block
+  left, so it may use `rheo_engine` and `engine` but sees nothing of the other blocks. Top-level `await` runs as in `python -m asyncio`. Each block runs in a
   temporary working directory; a block that names `model.gguf` finds one there (the default
   target written as GGUF); a block that imports `openai` talks to a server started here
   (its `http://127.0.0.1:8000` is pointed at the server's port), and every `.create(...)` in it
@@ -19,6 +22,7 @@
 - ```text blocks are not code. A fence without a language fails
   `test_every_block_names_its_language`.
 
+Test ids and failures name the page and line (`docs/guide.md:L12-python-...`).
 `<!-- readme-test: skip (REASON) -->` on the line right before a fence skips that block with
 REASON (for what CI lacks: a GPU, a downloaded model); keep them rare.
 """
@@ -48,6 +52,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # every page whose blocks are tested
 BENCH = ROOT / "bench"
 PYTHON_LANGS = {"python", "py", "python3"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
@@ -61,6 +66,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @dataclass(frozen=True)
 class Block:
+    path: str  # the page, relative to the repository root: "README.md", "docs/guide.md"
     line: int  # the line of the opening fence (1-based)
     lang: str
     code: str
@@ -71,12 +77,16 @@ class Block:
         return next((s.strip() for s in self.code.splitlines() if s.strip()), "")
 
     @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
     def id(self) -> str:
         first = " ".join(re.sub(r"[\"'\[\]\\]", "", self.first).split())
-        return f"L{self.line}-{self.lang}-{first[:48]}"
+        return f"{self.path}:L{self.line}-{self.lang}-{first[:48]}"
 
 
-def read_blocks(text: str) -> list[Block]:
+def read_blocks(text: str, path: str = "README.md") -> list[Block]:
     """The fenced blocks of a Markdown text, with a readme-test marker on the line before."""
     lines, blocks, i = text.splitlines(), [], 0
     while i < len(lines):
@@ -95,26 +105,31 @@ def read_blocks(text: str) -> list[Block]:
         if (marker := MARKER.search(before)) is not None:
             skip_m = SKIP_MARKER.fullmatch(marker.group(1))
             if skip_m is None:
-                raise ValueError(f"README.md:{start}: {before.strip()!r}: the only readme-test "
+                raise ValueError(f"{path}:{start}: {before.strip()!r}: the only readme-test "
                                  "marker is <!-- readme-test: skip (REASON) -->")  # fmt: skip
             skip = skip_m.group(1).strip()
-        blocks.append(Block(start + 1, m.group(2).lower(), "\n".join(lines[start + 1 : end]), skip))
+        blocks.append(Block(path, start + 1, m.group(2).lower(),
+                            "\n".join(lines[start + 1 : end]), skip))  # fmt: skip
         i = end + 1
     return blocks
 
 
-BLOCKS = read_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [b for page in PAGES
+          for b in read_blocks(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT)))]
 PY_BLOCKS = [b for b in BLOCKS if b.lang in PYTHON_LANGS]
+FIRST_PY = {}  # page -> its first python block
+for _b in PY_BLOCKS:
+    FIRST_PY.setdefault(_b.path, _b)
 SH_BLOCKS = [b for b in BLOCKS if b.lang in SHELL_LANGS]
 
 
 def _params(blocks: list[Block], not_checked=lambda block: None) -> list:
-    """One param per block, id "L<line>-<lang>-<first line>"; a README skip marker, or
+    """One param per block, id "<page>:L<line>-<lang>-<first line>"; a skip marker, or
     ``not_checked(block)`` (a reason), skips it and says why in the id too."""
     params = []
     for b in blocks:
         reason = b.skip or not_checked(b)
-        marks = [pytest.mark.skip(reason=f"README.md:{b.line}: {reason}")] if reason else []
+        marks = [pytest.mark.skip(reason=f"{b.where}: {reason}")] if reason else []
         params.append(pytest.param(b, id=b.id + (f" (skip: {reason})" if reason else ""),
                                    marks=marks))  # fmt: skip
     return params
@@ -122,7 +137,7 @@ def _params(blocks: list[Block], not_checked=lambda block: None) -> list:
 
 def test_every_block_names_its_language():
     known = PYTHON_LANGS | SHELL_LANGS | TEXT_LANGS
-    bad = [f"README.md:{b.line} ({b.first!r}): {b.lang or 'no language'}" for b in BLOCKS
+    bad = [f"{b.where} ({b.first!r}): {b.lang or 'no language'}" for b in BLOCKS
            if b.lang not in known]  # fmt: skip
     assert not bad, f"fences must name one of {sorted(known)}: " + "; ".join(bad)
     assert PY_BLOCKS and SH_BLOCKS
@@ -132,9 +147,9 @@ def test_every_block_names_its_language():
 
 
 def _run_python(block: Block, ns: dict, code: str | None = None) -> None:
-    """Run the block in ``ns``; tracebacks name README.md and its line numbers."""
+    """Run the block in ``ns``; tracebacks name its page and line numbers."""
     source = "\n" * block.line + (block.code if code is None else code)
-    compiled = compile(source, str(README), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+    compiled = compile(source, str(ROOT / block.path), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
                        dont_inherit=True)  # fmt: skip
     if compiled.co_flags & inspect.CO_COROUTINE:  # top-level await, as `python -m asyncio` runs
         asyncio.run(eval(compiled, ns))
@@ -151,20 +166,30 @@ def _close_schedulers(ns: dict, keep: tuple = ()) -> None:
 
 
 @pytest.fixture(scope="module")
-def first_block(tmp_path_factory):
-    """The names the first python block leaves; when it failed, its error under
-    "__readme_error__" (its own test raises it)."""
-    if PY_BLOCKS[0].skip:
-        pytest.skip(f"README.md:{PY_BLOCKS[0].line}, the first python block: {PY_BLOCKS[0].skip}")
-    ns: dict = {"__name__": "__readme__"}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(tmp_path_factory.mktemp("readme"))
-        try:
-            _run_python(PY_BLOCKS[0], ns)
-        except Exception as err:  # noqa: BLE001  reported by test_python_block
-            ns["__readme_error__"] = err
-    yield ns
-    _close_schedulers(ns)
+def first_blocks(request, tmp_path_factory):
+    """``first_blocks(page)``: the names the page's first python block leaves, run once on first
+    use; when it failed, its error under "__readme_error__" (its own test raises it)."""
+    done: dict[str, dict] = {}
+
+    def names(page: str) -> dict:
+        if page not in done:
+            block, ns = FIRST_PY[page], {"__name__": "__readme__"}
+            if block.skip:
+                pytest.skip(f"{block.where}, the page's first python block: {block.skip}")
+            tmp = tmp_path_factory.mktemp("readme")
+            with pytest.MonkeyPatch.context() as mp:
+                mp.chdir(tmp)
+                code = _prepare(block, request, tmp)  # skips (smollm2 not installed) or fails here
+                try:
+                    _run_python(block, ns, code)
+                except Exception as err:  # noqa: BLE001  reported by test_python_block
+                    ns["__readme_error__"] = err
+            done[page] = ns
+        return done[page]
+
+    yield names
+    for ns in done.values():
+        _close_schedulers(ns)
 
 
 @pytest.fixture(scope="module")
@@ -233,33 +258,49 @@ def _free_names(code: str) -> set[str]:
     return {n.id for n in names if isinstance(n.ctx, ast.Load)} - bound - set(dir(builtins))
 
 
-@pytest.mark.parametrize("block", _params(PY_BLOCKS))
-def test_python_block(block: Block, request, tmp_path, monkeypatch):
-    if block is PY_BLOCKS[0]:
-        first_block = request.getfixturevalue("first_block")
-        if "__readme_error__" in first_block:
-            raise first_block["__readme_error__"]
-        return
-    first_block: dict = {"__name__": "__readme__"}
-    if free := _free_names(block.code):  # it continues the first block
-        first_block = request.getfixturevalue("first_block")
-        if "__readme_error__" in first_block:
-            pytest.fail(f"README.md:{PY_BLOCKS[0].line}, the first python block, failed; this "
-                        f"one uses its names {sorted(free)}")  # fmt: skip
-    monkeypatch.chdir(tmp_path)
+def _prepare(block: Block, request, tmp_path: Path) -> str:
+    """The block's code, ready to run in ``tmp_path``: an OpenAI client pointed at the test
+    server, a `model.gguf` written there; a skip when it names the smollm2 pair and its GGUF
+    file is not installed."""
     code = block.code
+    if re.search(r"""pair\s*=\s*["']smollm2["']""", code):
+        from rheo_engine.runtime.pairs import smollm2_gguf
+
+        try:
+            smollm2_gguf()
+        except Exception as err:  # noqa: BLE001  not installed: the message says how to
+            pytest.skip(f"{block.where}: the smollm2 pair: {err}")
     if re.search(r"^\s*(import openai|from openai import)", code, re.M):
         unbounded = _unbounded_creates(code)
-        assert not unbounded, f"README.md:{block.line}: {unbounded} set no max_tokens"
-        assert SERVER_URL in code, f"README.md:{block.line}: the client must use {SERVER_URL}"
+        assert not unbounded, f"{block.where}: {unbounded} set no max_tokens"
+        assert SERVER_URL in code, f"{block.where}: the client must use {SERVER_URL}"
         code = code.replace(SERVER_URL, request.getfixturevalue("server").url)
     if "model.gguf" in code:
         _write_default_gguf(tmp_path / "model.gguf")
-    ns = dict(first_block)
+    return code
+
+
+@pytest.mark.parametrize("block", _params(PY_BLOCKS))
+def test_python_block(block: Block, request, tmp_path, monkeypatch):
+    first = FIRST_PY[block.path]
+    if block is first:
+        names = request.getfixturevalue("first_blocks")(block.path)
+        if "__readme_error__" in names:
+            raise names["__readme_error__"]
+        return
+    first_names: dict = {"__name__": "__readme__"}
+    if free := _free_names(block.code):  # it continues the page's first block
+        first_names = request.getfixturevalue("first_blocks")(block.path)
+        if "__readme_error__" in first_names:
+            pytest.fail(f"{first.where}, the page's first python block, failed; this "
+                        f"one uses its names {sorted(free)}")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    code = _prepare(block, request, tmp_path)
+    ns = dict(first_names)
     try:
         _run_python(block, ns, code)
     finally:
-        _close_schedulers(ns, keep=tuple(first_block.values()))
+        _close_schedulers(ns, keep=tuple(first_names.values()))
 
 
 # --- shell blocks -----------------------------------------------------------------------------
@@ -323,7 +364,7 @@ def commands(block: Block) -> list[tuple[int, list[str]]]:
             continue
         logical.append((start, pending + raw))
         pending = ""
-    assert not pending, f"README.md:{start}: a continuation line ends the block"
+    assert not pending, f"{block.path}:{start}: a continuation line ends the block"
     while logical:
         n, line = logical.pop(0)
         inner: list[str] = []
@@ -381,6 +422,8 @@ def _parse_with_main(main, args: list[str]) -> None:
             return
         except SystemExit as e:
             code = e.code
+    if not code and not args:  # a program without arguments (rheo_engine.info): it ran
+        return
     raise SystemExit(code or "main() returned without parsing its arguments")
 
 
@@ -523,5 +566,5 @@ def test_shell_block(block: Block, monkeypatch):
         with monkeypatch.context() as mp:
             error = check_command(argv, mp)
         if error:
-            failures.append(f"README.md:{line}: `{shlex.join(argv)}`: {error}")
+            failures.append(f"{block.path}:{line}: `{shlex.join(argv)}`: {error}")
     assert not failures, "\n".join(failures)
