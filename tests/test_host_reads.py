@@ -343,6 +343,9 @@ def count_batch(engine, B: int, method: str) -> tuple[list[tuple[int, int, int]]
             temperature=1.0,
             seed=i,
             ignore_eos=True,
+            # the head's trees: with lookup, a fixed tree runs each sequence's own lookup
+            # count as alone, so sequences whose counts differ form separate batches
+            drafts="head",
             tree="fixed",
             **SMALL_TREE,
         )  # fmt: skip

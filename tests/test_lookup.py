@@ -400,7 +400,7 @@ def both_step_law(table, drafter_table, history, cfg, sampling):
     def build(forced):
         return draft_tree(
             NGramDraft(drafter_table, hist), hist[:, -1], torch.zeros(1, dtype=torch.int32), cfg,
-            sampling.temperature, 0, 0, forced=forced, merge=Merger([cands]),
+            sampling.temperature, 0, 0, forced=forced, merge=Merger([cands], 0),
         )  # fmt: skip
 
     law, via_lookup, sampled_dup = {}, 0.0, 0
@@ -491,7 +491,7 @@ def test_device_merge_equals_the_host_merge(seed):
     rows = [torch.tensor([x]) for x in (scores, tokens, parents, sampled)]
     rows[0] = rows[0].float()
     rows[1:] = [r.to(torch.int32) for r in rows[1:]]
-    (m_scores, m_tokens, m_parents, _), lookup_of, _ = Merger([cands])(rows, torch.tensor([0]))
+    (m_scores, m_tokens, m_parents, _), lookup_of, _ = Merger([cands], 0)(rows, torch.tensor([0]))
     n = len(host.tokens)
     total = min(n, L) + 1
     want = kernels.build_tree(torch.tensor([host.scores]), torch.tensor([host.tokens], dtype=torch.int32),

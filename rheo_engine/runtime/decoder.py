@@ -63,6 +63,7 @@ from rheo_engine.runtime.tree_policy import (
     measure_profile,
     profile_key,
     topk_choices,
+    tree_shape,
 )
 from rheo_engine.spec import kernels
 from rheo_engine.spec.draft import DraftTree, draft_tree, pool_kind, root_only_tree
@@ -250,8 +251,8 @@ class BatchDecoder:
                                    f"{message['slot']}: the ranks' decoders diverged")  # fmt: skip
             self._prefill(request, slot)
         elif op == "step":
-            parts = [([by_slot[slot] for slot in slots], TreeConfig(**cfg), None, alone)
-                     for slots, cfg, alone in message["parts"]]  # fmt: skip
+            parts = [([by_slot[slot] for slot in slots], TreeConfig(**cfg), None, lookup, extra)
+                     for slots, cfg, lookup, extra in message["parts"]]  # fmt: skip
             self._run_parts(parts)
         elif op == "release":
             self._release(by_slot[message["slot"]])
@@ -383,8 +384,8 @@ class BatchDecoder:
             self._turn += 1
             parts = self._plan([s for s in self.running if s.group == group])
             if self._leads:  # the plan as JSON only when ranks follow it (a step's hot path)
-                plan = [[[s.slot for s in part[0]], dataclasses.asdict(part[1]), part[3:] == (True,)]
-                        for part in parts]  # fmt: skip
+                plan = [[[s.slot for s in part[0]], dataclasses.asdict(part[1]),
+                         *(part[3:] if len(part) > 3 else ("", 0))] for part in parts]  # fmt: skip
                 self._tell("step", parts=plan)
             return self._run_parts(parts)
 
@@ -484,9 +485,9 @@ class BatchDecoder:
             if n == 1:
                 plain.append(s)
             else:
-                part = ([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None, True)
+                part = ([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None, "alone", 0)
                 parts.append(part)
-        return ([(plain, TreeConfig("ar"), None, True)] if plain else []) + parts
+        return ([(plain, TreeConfig("ar"), None, "alone", 0)] if plain else []) + parts
 
     def _plan_both(self, seqs: list[SeqState], room, wanted):
         """drafts "both": the head's tree as the tree policy chooses it, plus as many lookup
@@ -515,23 +516,24 @@ class BatchDecoder:
                 costs.cost(head.total_tokens) if costs else 1.0
             )
             room_left = min(map(room, part))
-            # the merged tree's candidates hold at least the head's: never more nodes than those
-            head_room = max_tree_size(head.topk, head.depth) - head.total_tokens
             extras: dict[int, list[SeqState]] = {}
             for s in part:
                 tc = s.request.tree_cfg
                 s.cands, s.head_cfg = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk), head
+                # At most total_tokens nodes in all (fixed: depth lookup nodes beside the tree).
+                # A lookup node that joins a head child leaves its own slot at -inf: picked
+                # only when the finite ones run out, as a duplicate root child that verification
+                # never accepts (lossless, one wasted row).
+                most = tc.depth if fixed else max(0, tc.total_tokens - head.total_tokens)
                 n = extra_nodes(s.cands, costs, head.total_tokens, s.head_tokens, base_s,
-                                room_left if not fixed else room(s), wanted(s),
-                                tc.depth if fixed else head_room)  # fmt: skip
-                extras.setdefault(min(n, head_room), []).append(s)
+                                room_left if not fixed else room(s), wanted(s), most)  # fmt: skip
+                extras.setdefault(n, []).append(s)
             if not fixed:  # the auto tree is the batch's: the most any sequence adds
                 extras = {max(extras): part}
             # A fixed tree: each sequence's own count, as alone (a request gives its solo
             # tokens in any batch), so sequences that differ run as separate batches.
-            for extra, seqs_e in extras.items():
-                cfg = dataclasses.replace(head, total_tokens=head.total_tokens + extra)
-                parts.append((seqs_e, cfg, policy))
+            for extra, seqs_e in extras.items():  # no lookup node that pays: the head's tree
+                parts.append((seqs_e, head, policy, "merge" if extra else "", extra))
         return parts
 
     def _lookup_costs(self, seq: SeqState) -> StepCosts:
@@ -582,9 +584,12 @@ class BatchDecoder:
                                  repeats=3 if self.tp is not None else 5, budget_s=budget)  # fmt: skip
 
     @torch.no_grad()
-    def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy, alone: bool = False):
-        """One step of a batch: the tree of ``cfg`` (``alone``: each sequence's lookup tree
-        alone, as _plan_lookup plans it), its tokens and logprobs per sequence."""
+    def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy, lookup: str = "",
+              extra: int = 0):  # fmt: skip
+        """One step of a batch: the tree of ``cfg``, its tokens and logprobs per sequence.
+        ``lookup``: "alone" (each sequence's lookup tree alone, as _plan_lookup plans it),
+        "merge" (lookup candidates merged into the head's tree of cfg, which then keeps
+        ``extra`` more nodes: _plan_both), or "" (none)."""
         start = time.perf_counter()
         draws = [
             Draw(s.request.tree_cfg.method, s.request.sampling, s.request.seed, s.step,
@@ -599,13 +604,13 @@ class BatchDecoder:
                     tc = s.request.tree_cfg
                     s.cands = candidates(s.lookup, s.lookup_stats, tc.depth, tc.topk)
         drafted = merge = None
-        if alone and cfg.method != "ar":  # one sequence (_plan_lookup)
+        if lookup == "alone" and cfg.method != "ar":  # one sequence (_plan_lookup)
             s = seqs[0]
             view = self._view([s.slot])
             drafted = lookup_tree(s.cands, s.root, view.lengths_dev, cfg.total_tokens,
                                   cfg.depth, self.status)  # fmt: skip
-        elif uses_lookup and cfg.method != "ar":
-            merge = Merger([s.cands for s in seqs])
+        elif lookup == "merge" and cfg.method != "ar":
+            merge = Merger([s.cands for s in seqs], extra)
         result = self._speculate(
             [s.slot for s in seqs], torch.cat([s.root for s in seqs]), cfg, draws,
             group.drafts and group.source != "lookup", drafted, merge,
@@ -613,19 +618,23 @@ class BatchDecoder:
         seconds = time.perf_counter() - start
         predicted = getattr(policy, "predicted_s", None)
         out = []
-        if alone and len(seqs) == 1 and seqs[0].local is not None:
+        if lookup == "alone" and len(seqs) == 1 and seqs[0].local is not None:
             seqs[0].local.observe(cfg.total_tokens if cfg.method != "ar" else 1, seconds)
         for b, s in enumerate(seqs):
             r, row = s.request, _outcome_row(result.outcome, b)
             seen = row  # what the tree policy observes: the head's own nodes
             if uses_lookup:
-                seen = self._observe_lookup(s, result.draft, row, b, cfg)
+                seen = self._observe_lookup(s, result.draft, row, cfg, lookup)
             elif group.drafts and cfg.method != "ar":
                 r.accepted["head"] = r.accepted.get("head", 0) + row.accept_len[0] - 1
             if policy is not None:
                 policy.observe(cfg if s.head_cfg is None else s.head_cfg, seen, seconds)
             s.head_cfg = None
             r.trees.add(cfg, predicted, seconds)
+            if extra:  # the merged tree's own size in the histogram
+                shape = tree_shape(cfg)
+                r.trees.shapes[shape] -= 1
+                r.trees.shapes[(shape[0], shape[1] + extra)] += 1
             r.times.add(result.times)
             logprobs = []
             if r.logprobs:
@@ -638,22 +647,26 @@ class BatchDecoder:
             out.append((s, emitted, logprobs))
         return out
 
-    def _observe_lookup(self, s: SeqState, dt: DraftTree, row: Outcome, b: int,
-                        cfg: TreeConfig) -> Outcome:  # fmt: skip
-        """After a step of a sequence that drafts from its context: the lookup evidence (what
-        its lookup nodes held), the tokens accepted per source, the index extended with the
-        emitted tokens. Returns the outcome as the head's tree policy sees it: its own nodes
-        only (a merged tree's path cut at the first lookup-only node)."""
+    def _observe_lookup(self, s: SeqState, dt: DraftTree, row: Outcome, cfg: TreeConfig,
+                        lookup: str) -> Outcome:  # fmt: skip
+        """After a step of a sequence that drafts from its context (``lookup``: how, as in
+        _step): the lookup evidence (what its lookup nodes held), the tokens accepted per
+        source, the index extended with the emitted tokens. Returns the outcome as the head's
+        tree policy sees it: its own nodes only (a merged tree's path cut at the first
+        lookup-only node)."""
         s.lookup.extend(row.emitted[0])
         cands, s.cands = s.cands, None
         if cfg.method == "ar":
             return row
         n, path = row.accept_len[0], row.accept_path[0]
-        s.lookup_stats.observe(step_events(cands, row))
         accepted = s.request.accepted
-        if dt.head_candidates < 0:  # a lookup tree alone
-            accepted["lookup"] = accepted.get("lookup", 0) + n - 1
+        source = {"alone": "lookup", "": "head"}.get(lookup)
+        if source is not None:  # one source's tree
+            if lookup:
+                s.lookup_stats.observe(step_events(cands, row))
+            accepted[source] = accepted.get(source, 0) + n - 1
             return row
+        s.lookup_stats.observe(step_events(cands, row))
         # The head's own nodes (a lookup node that joined one counts as the head's).
         head = [i for i, flat in enumerate(row.cand_index[0]) if flat < dt.head_candidates]
         keep = {node: k for k, node in enumerate(head)}

@@ -159,8 +159,8 @@ def draft_tree(
     used instead of ``temperature``, ``seed`` and ``step``; each entry's rows of a level get
     their own pool sampler call (the rows of entry b are b * rows_per_entry + j).
     ``merge``: adds candidates of another source to the head's before the global pruning
-    (spec.lookup.Merger: prompt lookup, DESIGN §2.8); cfg.total_tokens then counts both kinds.
-    It takes the head's candidate tensors [B, L] (scores, tokens, parents, sampled) and the
+    (spec.lookup.Merger: prompt lookup, DESIGN §2.8); the tree keeps cfg.total_tokens +
+    ``merge.extra`` nodes of both kinds. It takes the head's candidate tensors [B, L] (scores, tokens, parents, sampled) and the
     roots, and returns the merged tensors, [B, L'] the lookup candidate of each flat index,
     and the deepest candidate's depth; nothing is read back.
     """
@@ -212,15 +212,16 @@ def draft_tree(
         for name in ("scores", "tokens", "parents", "sampled_row")
     ]
     head_candidates, lookup_of, layout_depth, on_nodes = -1, None, cfg.depth, None
+    total = cfg.total_tokens
     if merge is not None:
         head_candidates = cands[0].shape[1]
         cands, lookup_of, deepest = merge(cands, root_tokens)
-        layout_depth = max(cfg.depth, deepest)
+        layout_depth, total = max(cfg.depth, deepest), total + merge.extra
     tree = kernels.build_tree(
         *cands,
         root_tokens.to(torch.int32).contiguous(),
         prefix_len.to(torch.int32).contiguous(),
-        cfg.total_tokens,
+        total,
         layout_depth,
         status,
     )

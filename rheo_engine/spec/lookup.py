@@ -270,22 +270,25 @@ class Merger:
     drafting reads nothing back (one upload: the lookup candidates, from the host).
 
     Every lookup candidate i gets flat index L + i. One that joins a head child is left there
-    at -inf (never kept while the tree has enough finite candidates: the policy adds at most
-    as many lookup nodes as the head has candidates), and its score goes to the head child;
-    depth by depth, as ``merge`` does. ``node_lookup`` [B, N] then says which lookup candidate
+    at -inf, a root child with its token, and its score goes to the head child; depth by
+    depth, as ``merge`` does. A -inf slot is kept only when the finite candidates run out: a
+    duplicate of a root child's token, which verification never accepts after the original
+    (lossless; one row spent). ``node_lookup`` [B, N] then says which lookup candidate
     each kept node carries (-1 none): the step reads it with its verdict (verify.read_outcome).
     """
 
-    def __init__(self, extra: list[Candidates]) -> None:
-        self.extra = extra
+    def __init__(self, cands: list[Candidates], extra: int) -> None:
+        """``cands``: each batch entry's lookup candidates; ``extra``: how many nodes the tree
+        keeps beyond the head's total_tokens."""
+        self.cands, self.extra = cands, extra
 
     def __call__(self, cands: list[torch.Tensor], roots: torch.Tensor):
         scores, tokens, parents, sampled = cands
         B, L = tokens.shape
         dev = tokens.device
-        C = max(1, max(len(c) for c in self.extra))
+        C = max(1, max(len(c) for c in self.cands))
         rows = [[], [], [], []]  # token, parent, depth (0: padding), score, per entry padded
-        for c in self.extra:
+        for c in self.cands:
             pad = C - len(c)
             for row, values, fill in zip(rows, (c.tokens, c.parents, c.depth, c.scores),
                                          (0, -1, 0, -math.inf), strict=True):  # fmt: skip
@@ -301,7 +304,7 @@ class Merger:
                                                      device=dev)), 1)  # fmt: skip
         where = torch.arange(L, L + C, device=dev).expand(B, C).clone()  # flat index of each
         joinable = (sampled < 0) if not JOIN_SAMPLED else torch.ones_like(sampled, dtype=bool)
-        deepest = max((max(c.depth, default=0) for c in self.extra), default=0)
+        deepest = max((max(c.depth, default=0) for c in self.cands), default=0)
         for d in range(1, deepest + 1):
             at = valid & (ldepth == d)
             up = torch.where(lpar < 0, lpar, where.gather(1, lpar.clamp(min=0)))  # [B, C]
