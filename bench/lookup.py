@@ -128,6 +128,7 @@ def table(records, labels, categories, cond) -> dict:
         f"{lb} speed" for lb in others
     ]
     rows, summary = [], {}
+    categories = [c for c in categories if any(r.set == c for r in records)]  # none: too long
     for cat in categories + ["all"]:
         cats = categories if cat == "all" else [cat]
         ar = [by[("ar", c, q)] for c in cats for (lb, cc, q) in by if lb == "ar" and cc == c]
