@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=CONTEXT + 321, help="positions per window")
     p.add_argument("--train-sequences", type=int, default=1024, help="held in memory at once")
     p.add_argument("--val-sequences", type=int, default=128)
-    p.add_argument("--val-quick", type=int, default=32, help="held-out windows per minute line")
+    p.add_argument("--val-quick", type=int, default=8, help="held-out windows per minute line")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
