@@ -612,11 +612,16 @@ def test_max_new_tokens_over_the_context(capsys):
                  "--stop", "\n"]) == 0  # fmt: skip
 
 
-def test_progress_after_a_second_and_quiet(capsys):
+def test_progress_after_a_second_and_quiet(capsys, monkeypatch):
+    import sys as system
     import time as clock
 
     from rheo_engine.entrypoints.generate import shown
 
+    with shown("loading a slow model"):  # stderr is not a terminal here: nothing shown
+        clock.sleep(1.5)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(system.stderr, "isatty", lambda: True, raising=False)
     with shown("loading a slow model"):
         clock.sleep(1.5)
     assert "loading a slow model: 00:01" in capsys.readouterr().err

@@ -517,8 +517,10 @@ def _check_cost_profile(path: str) -> None:
 @contextlib.contextmanager
 def shown(what: str, quiet: bool = False) -> Iterator[None]:
     """``what`` and its elapsed time on stderr while the block runs, once it has taken a
-    second (a tqdm line, cleared at the end); nothing with ``quiet`` (--quiet)."""
-    if quiet:
+    second (a tqdm line, cleared at the end); nothing with ``quiet`` (--quiet), nor when
+    stderr is not a terminal (a log or a pipe: no one watches, and carriage returns would
+    clutter it; tqdm's own rule)."""
+    if quiet or not sys.stderr.isatty():
         yield
         return
     from tqdm import tqdm
