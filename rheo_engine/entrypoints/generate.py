@@ -227,9 +227,9 @@ def parser(prog: str = PROG, description: str | None = None,
     )  # fmt: skip
     p.add_argument(
         "--drafts", choices=DRAFTS, default=None,
-        help="where drafts come from: head (the EAGLE-3 head; the default when one is loaded) "
-        "or lookup (prompt lookup: continuations of the context's last n-gram; the default "
-        "with no head, so any target speculates)",
+        help="where drafts come from: head (the EAGLE-3 head), lookup (prompt lookup: what "
+        "followed earlier occurrences of the context's last tokens) or both in one tree (the "
+        "default when a head is loaded; lookup without one, so any target speculates)",
     )  # fmt: skip
     p.add_argument("--leads", type=int, default=1, help="m, deterministic leads per pool")
     p.add_argument("--support", type=int, default=128, help="S, sparse draft support")
