@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from rheo_engine.machine import kept_file, read_kept, write_kept
+from rheo_engine.runtime.tree_policy import extrapolated, running_max
 from rheo_engine.spec.lookup import Candidates
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -40,17 +41,7 @@ class StepCosts:
 
     def cost(self, n: int) -> float:
         """Seconds at n rows: linear between measured sizes, past the last by its slope."""
-        sizes = sorted(self.step_s)
-        if n in self.step_s:
-            return self.step_s[n]
-        lo = max((s for s in sizes if s <= n), default=sizes[0])
-        hi = min((s for s in sizes if s >= n), default=sizes[-1])
-        if lo == hi:  # past the ends: the last segment's slope
-            a, b = sizes[-2:] if n > sizes[-1] and len(sizes) > 1 else (lo, lo)
-            slope = 0.0 if a == b else (self.step_s[b] - self.step_s[a]) / (b - a)
-            return self.step_s[lo] + slope * (n - lo)
-        w = (n - lo) / (hi - lo)
-        return self.step_s[lo] * (1 - w) + self.step_s[hi] * w
+        return extrapolated(self.step_s, n)
 
 
 @dataclass
@@ -84,11 +75,7 @@ class LocalCosts:
 def monotone(values: dict[int, float]) -> dict[int, float]:
     """The running maximum in n: a step over more rows never costs less than one over fewer
     (a measurement that says so saw noise, DESIGN §2.7)."""
-    out, best = {}, 0.0
-    for n in sorted(values):
-        best = max(best, values[n])
-        out[n] = best
-    return out
+    return running_max(values)
 
 
 def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
@@ -120,8 +107,8 @@ def costs_from_profile(profile) -> StepCosts:
     plus a verification of n nodes, pinned (a request that brings a profile reproduces its
     trees)."""
     sizes = sorted(set(SIZES) | set(profile.target_s))
-    verify = StepCosts("verify", monotone(profile.verify_s)) if profile.verify_s else None
-    steps = {n: profile.target(n) + (verify.cost(n) if verify else 0.0) for n in sizes}
+    verify = running_max(profile.verify_s) if profile.verify_s else None
+    steps = {n: profile.target(n) + (extrapolated(verify, n) if verify else 0.0) for n in sizes}
     return StepCosts(f"from {profile.key}", monotone(steps), pinned=True)
 
 

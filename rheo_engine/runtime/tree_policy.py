@@ -147,12 +147,12 @@ class CostProfile:
 
     def scale(self, n):
         """The calibration factor at n nodes (1 where there is none)."""
-        return _extrapolated(self.step_scale, n) if self.step_scale else 1.0
+        return extrapolated(self.step_scale, n) if self.step_scale else 1.0
 
     def target(self, n):
         """Target forward seconds at n nodes: piecewise linear in the measured sizes, made
         non-decreasing (a bigger forward never costs less than a smaller one did)."""
-        return _extrapolated(_running_max(self.target_s), n)
+        return extrapolated(running_max(self.target_s), n)
 
     def plain_step_s(self, batch: int = 1) -> float:
         return self.parts_s(0, 1, 0, batch) * self.scale(1)
@@ -183,9 +183,9 @@ class CostProfile:
 
     def _parts(self, depth, n, topk, batch):
         if np.ndim(n) == 0 and n == 1:
-            return self.target(batch) + batch * _extrapolated(_running_max(self.verify_s), 1)
-        drafting = self.draft_base_s + _extrapolated(self.level_s, topk) * depth
-        verify = _extrapolated(_running_max(self.verify_s), n)
+            return self.target(batch) + batch * extrapolated(running_max(self.verify_s), 1)
+        drafting = self.draft_base_s + extrapolated(self.level_s, topk) * depth
+        verify = extrapolated(running_max(self.verify_s), n)
         return batch * (drafting + verify) + self.target(batch * n)
 
     def doubts(self) -> list[str]:
@@ -258,12 +258,13 @@ def keep_profile(profile: CostProfile) -> bool:
     return True
 
 
-def _running_max(table: dict[int, float]) -> dict[int, float]:
+def running_max(table: dict[int, float]) -> dict[int, float]:
+    """table made non-decreasing in its key: each value the largest at or below its key."""
     sizes = sorted(table)
     return dict(zip(sizes, np.maximum.accumulate([table[s] for s in sizes]).tolist()))
 
 
-def _extrapolated(table: dict[int, float], n):
+def extrapolated(table: dict[int, float], n):
     """table at n (a number or an array): piecewise linear between measured points, the last
     slope beyond them."""
     sizes = sorted(table)

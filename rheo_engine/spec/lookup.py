@@ -128,14 +128,6 @@ class Candidates:
         then earlier (breadth-first order follows the parent's order, then the branch's)."""
         return sorted(range(len(self)), key=lambda i: (-self.scores[i], self.depth[i], i))
 
-    def expected_tokens(self, n_nodes: int) -> float:
-        """E[accepted drafts] of the tree of the best n_nodes - 1 candidates: the sum of their
-        estimated acceptances (each node's is the probability its path is accepted)."""
-        best = self.ranked()[: max(0, n_nodes - 1)]
-        return sum(math.exp(self.scores[i]) for i in best)
-
-
-NONE = Candidates([], [], [], [], [])
 
 
 def candidates(
@@ -143,7 +135,7 @@ def candidates(
 ) -> Candidates:
     """The context's matches as a scored trie (module docstring)."""
     if max_depth < 1:
-        return NONE
+        return Candidates([], [], [], [], [])
     out = Candidates([], [], [], [], [])
     children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     weight: list[int] = []  # continuations through each node
