@@ -35,10 +35,11 @@ from rheo_engine.train.checkpoint import Budget
 from rheo_engine.train.head import export, head_config, parse_layers
 from rheo_engine.train.head_config import HeadTrainConfig
 from rheo_engine.train.head_data import HeadData, resolve_feature_layers
+from rheo_engine.train.head_features import (CONTEXT, LengthBatches, Packed, cached_features,
+                                             settings_of, shard_features)  # fmt: skip
 from rheo_engine.train.head_loop import CHECKPOINT_SECONDS, Trainer, Window
 from rheo_engine.train.smollm2_data import load_shard, shard_path
 
-CONTEXT = 16  # prompt tokens kept before each reply in a window
 VAL_SHARDS = (0, 1)
 
 
@@ -59,31 +60,6 @@ def available_shards(data: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in data.glob("shard_*.npz"))
 
 
-@torch.no_grad()
-def sequence_features(target: LlamaModel, seqs: list[tuple[np.ndarray, int]], window: int,
-                      feature_layers: tuple[int, ...], store: torch.dtype) -> HeadData:  # fmt: skip
-    """Prefill each sequence whole; keep the window [prompt_len - CONTEXT, + window) of its
-    tokens, features and final states (zero-padded; ``lengths`` = valid positions)."""
-    N, F = len(seqs), len(feature_layers) * target.cfg.hidden_size
-    tokens = torch.zeros(N, window, dtype=torch.int64)
-    features = torch.zeros(N, window, F, dtype=store)
-    hidden = torch.zeros(N, window, target.cfg.hidden_size, dtype=store)
-    lengths = torch.zeros(N, dtype=torch.int64)
-    for k, (ids, prompt_len) in enumerate(seqs):
-        L = len(ids)
-        x = torch.from_numpy(ids).unsqueeze(0).to(target.device)
-        cache = target.new_cache(L, 1)
-        h, f = target.forward(x, torch.arange(L, device=target.device).unsqueeze(0), cache,
-                              None, feature_layers, output_hidden=True)  # fmt: skip
-        a = max(0, prompt_len - CONTEXT)
-        b = min(L, a + window)
-        tokens[k, : b - a] = x[0, a:b].cpu()
-        features[k, : b - a] = f[0, a:b].to("cpu", store)
-        hidden[k, : b - a] = h[0, a:b].to("cpu", store)
-        lengths[k] = b - a
-    return HeadData(tokens, features, hidden, lengths, CONTEXT)
-
-
 def draft_vocabulary_of(seqs: list[tuple[np.ndarray, int]], V: int, Vd: int) -> torch.Tensor:
     """The Vd most frequent reply tokens (ties by lower id), ascending; all ids when Vd is 0/V."""
     if Vd in (0, V):
@@ -101,19 +77,75 @@ def load_target(path: Path, device: str, dtype: torch.dtype) -> LlamaModel:
     return LlamaModel.from_pretrained(path, device=device, dtype=dtype)
 
 
-def quick_eval(trainer: Trainer, val: HeadData, n: int) -> dict:
-    """Held-out loss and top-1 per unroll step on the first n windows."""
+def quick_eval(trainer: Trainer, val: Packed, n: int | None, positions: int) -> dict:
+    """Held-out loss and top-1 per unroll step on the first n windows (all with None), in runs
+    of similar length."""
     trainer.model.eval()
     window = Window(trainer.cfg.unroll)
+    k = len(val) if n is None else min(n, len(val))
+    order = torch.sort(val.lengths[:k], stable=True).indices
     with torch.no_grad():
-        for rows in torch.arange(min(n, len(val.tokens))).split(trainer.cfg.batch):
-            window.add(trainer.losses(trainer._batch(val, rows))[1])
+        i = 0
+        while i < k:
+            B = max(1, positions // int(val.lengths[order[min(k - 1, i + 1)]]))
+            window.add(trainer.losses(val.batch(order[i : i + B]))[1])
+            i += B
     trainer.model.train()
     return window.summary()
 
 
+def gemm_seconds(dtype: torch.dtype, rows: int = 1024, repeats: int = 3) -> float:
+    """Fastest of ``repeats`` [rows, 576] x [576, 8192] products in ``dtype``."""
+    a, b = torch.randn(rows, 576).to(dtype), torch.randn(8192, 576).to(dtype)
+    torch.nn.functional.linear(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pick_autocast(choice: str) -> torch.dtype | None:
+    """bf16 autocast where this CPU runs bf16 GEMMs >= 1.3x faster than fp32 (AVX-512-BF16,
+    AMX), else fp32; ``choice`` bfloat16 / off forces one."""
+    if choice != "auto":
+        return torch.bfloat16 if choice == "bfloat16" else None
+    f32, b16 = gemm_seconds(torch.float32), gemm_seconds(torch.bfloat16)
+    print(f"GEMM [1024x576]x[576x8192]: fp32 {f32 * 1e3:.1f} ms, bf16 {b16 * 1e3:.1f} ms -> "
+          f"{'bf16 autocast' if f32 >= 1.3 * b16 else 'fp32'}", flush=True)  # fmt: skip
+    return torch.bfloat16 if f32 >= 1.3 * b16 else None
+
+
 def fmt(xs: list[float]) -> str:
     return " ".join(f"{x:.3f}" for x in xs)
+
+
+def features_of(a: argparse.Namespace, target: LlamaModel, layers: tuple[int, ...],
+                dtype: torch.dtype) -> tuple[Packed, Packed | None, list[int]]:  # fmt: skip
+    """(held-out windows, training windows or None with --no-train shards, training shards):
+    every shard's features read from --work/features or computed once and kept there."""
+    cache = None if a.work is None else a.work / "features"
+    settings = settings_of(Path(a.target), layers, dtype)
+    held_out = read_sequences(a.data, list(VAL_SHARDS))
+    val_seqs = held_out[:: max(1, len(held_out) // a.val_sequences)][: a.val_sequences]
+    if not val_seqs:
+        raise FileNotFoundError(f"no held-out shards {VAL_SHARDS} in {a.data}; make them first")
+    val, _ = cached_features(cache, f"val{len(val_seqs)}",
+                             lambda: shard_features(target, val_seqs, layers, dtype),
+                             settings)  # fmt: skip
+    train_ids = [i for i in available_shards(a.data) if i not in VAL_SHARDS]
+    if a.evaluate is not None:
+        return val, None, train_ids
+    if not train_ids:
+        raise FileNotFoundError(f"no training shards (2..) in {a.data}")
+    parts = []
+    for i in train_ids:
+        seqs = read_sequences(a.data, [i])
+        parts.append(cached_features(cache, shard_path(a.data, i).stem,
+                                     lambda seqs=seqs: shard_features(target, seqs, layers, dtype),
+                                     settings)[0])  # fmt: skip
+    return val, Packed.cat(parts), train_ids
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -121,10 +153,12 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--data", type=Path, default=Path("weights/smollm2/data"))
     p.add_argument("--target", type=Path, help="target (default: the smollm2 pair's GGUF)")
-    p.add_argument("--work", type=Path, help="checkpoint folder (--resume continues it)")
+    p.add_argument("--work", type=Path, help="checkpoint and feature folder (--resume continues)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--out", type=Path, help="export the head here at the end (must not exist)")
     p.add_argument("--evaluate", type=Path, help="only evaluate this head on the held-out shards")
+    p.add_argument("--features-only", action="store_true",
+                   help="compute and keep every shard's features in --work, then stop")
     p.add_argument("--init-from", type=Path,
                    help="start from this head (its weights, feature layers, draft vocabulary)")
     p.add_argument("--minutes", type=float, default=60.0)
@@ -132,14 +166,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--feature-layers", type=parse_layers, help="default: EAGLE's (2, N//2, N-3)")
     p.add_argument("--unroll", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--positions", type=int, default=2048, help="positions per batch (about)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=40)
-    p.add_argument("--window", type=int, default=CONTEXT + 321, help="positions per window")
-    p.add_argument("--train-sequences", type=int, default=1024, help="held in memory at once")
     p.add_argument("--val-sequences", type=int, default=128)
-    p.add_argument("--val-quick", type=int, default=8, help="held-out windows per minute line")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--val-quick", type=int, default=16, help="held-out windows per minute line")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the target's dtype for the features")
+    p.add_argument("--autocast", default="auto", choices=("auto", "bfloat16", "off"),
+                   help="the head's matmuls in bf16: auto = where this CPU runs them faster")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -152,58 +187,52 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, a.dtype)
     target = load_target(a.target, "cpu", dtype)
     t = target.cfg
-    held_out = read_sequences(a.data, list(VAL_SHARDS))
-    val_seqs = held_out[:: max(1, len(held_out) // a.val_sequences)][: a.val_sequences]
-    if not val_seqs:
-        raise FileNotFoundError(f"no held-out shards {VAL_SHARDS} in {a.data}; make them first")
-    train_ids = [i for i in available_shards(a.data) if i not in VAL_SHARDS]
-    if a.evaluate is not None:
-        return evaluate_head(a, target, val_seqs, budget)
-    train_seqs = read_sequences(a.data, train_ids)
-    if not train_seqs:
-        raise FileNotFoundError(f"no training shards (2..) in {a.data}")
-    cfg = HeadTrainConfig(feature_layers=resolve_feature_layers(t, a.feature_layers),
-                          draft_vocab=a.draft_vocab, unroll=a.unroll, batch=a.batch, lr=a.lr,
-                          warmup=a.warmup, max_steps=a.max_steps, seed=a.seed,
-                          store_dtype="bfloat16", chat=True)  # fmt: skip
-    hcfg = head_config(t, cfg)
-    rng = np.random.default_rng(a.seed)
-    pick = rng.permutation(len(train_seqs))[: a.train_sequences]
-    chosen = [train_seqs[k] for k in sorted(pick)]
-    used = draft_vocabulary_of(train_seqs, t.vocab_size, a.draft_vocab)
     init = None if a.init_from is None else read_head(a.init_from, t)
+    if a.evaluate is not None:
+        init = read_head(a.evaluate, t)
+    layers = resolve_feature_layers(t, a.feature_layers) if init is None else init[0]
+    t0 = time.perf_counter()
+    val, train, train_ids = features_of(a, target, layers, dtype)
+    if a.evaluate is not None:
+        return evaluate_head(a, target, val, init, budget)
+    positions = int(train.offsets[-1])
+    print(f"{len(train)} training windows ({positions} positions, shards {train_ids[0]}.."
+          f"{train_ids[-1]}) and {len(val)} held-out ready in {time.perf_counter() - t0:.0f} s",
+          flush=True)  # fmt: skip
+    if a.features_only:
+        return {"train_positions": positions, "val_positions": int(val.offsets[-1])}
+    cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=a.draft_vocab, unroll=a.unroll,
+                          batch=a.positions, lr=a.lr, warmup=a.warmup, max_steps=a.max_steps,
+                          seed=a.seed, store_dtype="bfloat16", chat=True)  # fmt: skip
+    used = draft_vocabulary_of(read_sequences(a.data, train_ids), t.vocab_size, a.draft_vocab)
     if init is not None:  # its lm_head rows are its own draft vocabulary's
         layers, used, weights = init
-        cfg = replace(cfg, feature_layers=layers, draft_vocab=len(used))
-        hcfg = head_config(t, cfg)
-    t0 = time.perf_counter()
-    train = sequence_features(target, chosen, a.window, cfg.feature_layers, dtype)
-    val = sequence_features(target, val_seqs, a.window, cfg.feature_layers, dtype)
-    positions = int(train.lengths.sum())
-    print(f"features of {len(chosen)} training windows ({positions} positions) and "
-          f"{len(val_seqs)} held-out in {time.perf_counter() - t0:.0f} s "
-          f"({(positions + int(val.lengths.sum())) / (time.perf_counter() - t0):.0f} positions/s)",
-          flush=True)  # fmt: skip
-    trainer = Trainer(cfg, hcfg, target, used, train, val, "cpu")
+        cfg = replace(cfg, draft_vocab=len(used))
+    hcfg = head_config(t, cfg)
+    trainer = Trainer(cfg, hcfg, target, used, empty_data(), empty_data(), "cpu")
+    trainer.autocast = pick_autocast(a.autocast)
     if init is not None and not a.resume:
         trainer.model.load_state_dict(init[2])
     if a.resume:
         trainer.load(a.work)
     if a.work is not None:
         a.work.mkdir(parents=True, exist_ok=True)
-    q = quick_eval(trainer, val, a.val_quick)
+    batches = LengthBatches(train, a.positions)
+    q = quick_eval(trainer, val, a.val_quick, a.positions)
     print(f"step {trainer.progress['step']} (start) | held-out acc {fmt(q['acc'])}", flush=True)
     window, last_line, last_ckpt = Window(cfg.unroll), time.perf_counter(), time.perf_counter()
-    start_step, t_train = trainer.progress["step"], time.perf_counter()
+    start_step, t_train, done = trainer.progress["step"], time.perf_counter(), 0
     while trainer.progress["step"] < cfg.max_steps and budget.left() > 60:
-        window.add(trainer.train_step())
+        batch = train.batch(batches.draw(trainer.gen))
+        window.add(trainer.train_step(batch))
+        done += int(batch[3].sum())
         now = time.perf_counter()
         if now - last_line >= 60:
-            s, q = window.summary(), quick_eval(trainer, val, a.val_quick)
-            rate = (trainer.progress["step"] - start_step) * a.batch / (now - t_train)
+            s, q = window.summary(), quick_eval(trainer, val, a.val_quick, a.positions)
+            rate = done / (now - t_train)
             print(f"step {trainer.progress['step']}/{cfg.max_steps} | train acc {fmt(s['acc'])} | "
                   f"held-out acc {fmt(q['acc'])} | lr {trainer.lr_at(trainer.progress['step']):.2e}"
-                  f" | {rate:.2f} windows/s | {budget.elapsed() / 60:.1f} min", flush=True)
+                  f" | {rate:.0f} positions/s | {budget.elapsed() / 60:.1f} min", flush=True)
             trainer.progress["train"].append({"step": trainer.progress["step"], **s,
                                               "val_quick": q})  # fmt: skip
             window, last_line = Window(cfg.unroll), time.perf_counter()
@@ -213,15 +242,22 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.progress["train_seconds"] += time.perf_counter() - t_train
     if a.work is not None:
         trainer.save(a.work)
-    result = trainer.evaluate()
-    print(f"held-out ({len(val_seqs)} windows) acc per step {fmt(result['acc'])}", flush=True)
+    result = quick_eval(trainer, val, None, a.positions)
+    print(f"held-out ({len(val)} windows) acc per step {fmt(result['acc'])}", flush=True)
     if a.out is not None:
         log = {"data": str(a.data), "target": str(a.target), "train_shards": train_ids,
-               "train_windows": len(chosen), "positions_train": positions,
+               "train_windows": len(train), "positions_train": positions,
+               "positions_per_batch": a.positions,
+               "autocast": str(trainer.autocast).split(".")[-1] if trainer.autocast else "off",
                "hyper_parameters": {**asdict(cfg), "feature_layers": list(cfg.feature_layers)},
                **trainer.progress, "val": result}  # fmt: skip
         export(a.out, hcfg, trainer.export_weights(), log, target.dtype)
     return result
+
+
+def empty_data() -> HeadData:
+    z = torch.zeros(0, 1, dtype=torch.int64)
+    return HeadData(z, z.float(), z.float(), z[:, 0], CONTEXT)
 
 
 def read_head(path: Path, t) -> tuple[tuple[int, ...], torch.Tensor, dict]:
@@ -236,19 +272,19 @@ def read_head(path: Path, t) -> tuple[tuple[int, ...], torch.Tensor, dict]:
     return layers, used, {k: v.float() for k, v in w.items() if k not in ("d2t", "t2d")}
 
 
-def evaluate_head(a: argparse.Namespace, target: LlamaModel, val_seqs, budget: Budget) -> dict:
+def evaluate_head(a: argparse.Namespace, target: LlamaModel, val: Packed, init,
+                  budget: Budget) -> dict:  # fmt: skip
     """Top-1 per unroll step of an existing head on the held-out windows (same loss code)."""
-    layers, used, weights = read_head(a.evaluate, target.cfg)
+    layers, used, weights = init
     cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=len(used), unroll=a.unroll,
-                          batch=a.batch, chat=True)  # fmt: skip
-    hcfg = head_config(target.cfg, cfg)
-    val = sequence_features(target, val_seqs, a.window, layers, getattr(torch, a.dtype))
-    empty = HeadData(val.tokens[:0], val.features[:0], val.hidden[:0], val.lengths[:0], CONTEXT)
-    trainer = Trainer(cfg, hcfg, target, used, empty, val, "cpu")
+                          batch=a.positions, chat=True)  # fmt: skip
+    trainer = Trainer(cfg, head_config(target.cfg, cfg), target, used, empty_data(),
+                      empty_data(), "cpu")  # fmt: skip
+    trainer.autocast = pick_autocast(a.autocast)
     trainer.model.load_state_dict(weights)
-    result = trainer.evaluate()
-    print(f"{a.evaluate}: held-out ({len(val_seqs)} windows, shards {VAL_SHARDS}) acc per step "
-          f"{fmt(result['acc'])} | positions {result['positions']} | "
+    result = quick_eval(trainer, val, None, a.positions)
+    print(f"{a.evaluate}: held-out ({len(val)} windows, shards {VAL_SHARDS}) acc per step "
+          f"{fmt(result['acc'])} | positions {sum(result['positions'][:1])} | "
           f"{budget.elapsed():.0f} s", flush=True)  # fmt: skip
     return result
 

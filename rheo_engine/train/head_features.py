@@ -1,0 +1,168 @@
+"""What a head learns from, per shard of token ids: features, final states, target argmax.
+
+A shard of smollm2_data holds token ids only. ``shard_features`` prefills each sequence once
+with the target and keeps, for the window of ``CONTEXT`` prompt tokens then the reply, each
+position's fused features (the residuals entering the feature layers), the target's final normed
+state (its logits are recomputed over the draft vocabulary in the loss: H numbers a position
+instead of V) and the target's argmax over the full vocabulary (a position whose argmax lies
+outside the draft vocabulary is masked, as EAGLE-3 does with t2d). The windows are packed back
+to back (no padding), and written once per shard to ``<cache>/shard_NNNNN.safetensors`` with
+the settings that made them, so a resumed run, or a second process, reads them instead of
+prefilling again (prefill is ~400 positions/s a core on SmolLM2-135M, 2-5x the cost of a
+training pass over the same positions).
+
+``Packed`` holds many shards' windows; ``batch`` gathers windows of similar length into a
+padded [B, T] batch (windows sorted by length, a random run of neighbours), so a batch pays for
+little padding: replies run from a few tokens to 320.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from rheo_engine.io.weights import save_safetensors
+from rheo_engine.models.llama import LlamaModel
+
+CONTEXT = 16  # prompt tokens kept before each reply in a window
+FORMAT = "rheo-head-features-v1"
+
+
+@dataclass
+class Packed:
+    """Windows back to back: window k is positions offsets[k]:offsets[k + 1]."""
+
+    tokens: torch.Tensor  # [P] int64
+    features: torch.Tensor  # [P, F] bf16/fp32
+    hidden: torch.Tensor  # [P, H] bf16/fp32, final normed state
+    argmax: torch.Tensor  # [P] int64, the target's argmax over the full vocabulary
+    offsets: torch.Tensor  # [n + 1] int64
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @staticmethod
+    def cat(parts: list[Packed]) -> Packed:
+        shift = torch.tensor([0] + [int(p.offsets[-1]) for p in parts]).cumsum(0)
+        offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + s
+                                                      for p, s in zip(parts, shift, strict=False)])
+        return Packed(torch.cat([p.tokens for p in parts]), torch.cat([p.features for p in parts]),
+                      torch.cat([p.hidden for p in parts]), torch.cat([p.argmax for p in parts]),
+                      offsets)  # fmt: skip
+
+    def select(self, windows: list[int]) -> Packed:
+        """The given windows only, in that order."""
+        parts = [slice(int(self.offsets[k]), int(self.offsets[k + 1])) for k in windows]
+        lengths = torch.tensor([0] + [s.stop - s.start for s in parts])
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[s] for s in parts])
+        return Packed(take(self.tokens), take(self.features), take(self.hidden), take(self.argmax),
+                      lengths.cumsum(0))  # fmt: skip
+
+    def batch(self, windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(tokens [B, T], features [B, T, F] fp32, hidden [B, T, H], lengths [B], argmax [B, T])
+        of the given windows, zero-padded to the longest of them."""
+        lengths = self.lengths[windows]
+        B, T = len(windows), int(lengths.max())
+        pos = self.offsets[windows].unsqueeze(1) + torch.arange(T)  # [B, T]
+        valid = torch.arange(T) < lengths.unsqueeze(1)
+        pos = torch.where(valid, pos, 0)
+        mask = valid.unsqueeze(-1)
+        return (torch.where(valid, self.tokens[pos], 0),
+                torch.where(mask, self.features[pos].float(), 0.0),
+                torch.where(mask, self.hidden[pos], 0), lengths,
+                torch.where(valid, self.argmax[pos], 0))  # fmt: skip
+
+
+class LengthBatches:
+    """Batches of windows of similar length: the windows sorted by length, a batch a run of
+    neighbours from a random start, drawn with ``gen``."""
+
+    def __init__(self, data: Packed, positions: int) -> None:
+        self.data, self.positions = data, positions
+        self.order = torch.sort(data.lengths, stable=True).indices
+
+    def draw(self, gen: torch.Generator) -> torch.Tensor:
+        """A run from a random start: as many neighbours as fit ``positions`` when padded to
+        the run's longest (at least one)."""
+        n, lengths = len(self.order), self.data.lengths
+        start = int(torch.randint(n, (1,), generator=gen))
+        B = min(n - start, max(1, self.positions // int(lengths[self.order[start]])))
+        while B > 1 and B * int(lengths[self.order[start + B - 1]]) > self.positions:
+            B -= 1
+        return self.order[start : start + B]
+
+
+def settings_of(target_file: Path, feature_layers: tuple[int, ...], dtype: torch.dtype) -> dict:
+    st = target_file.stat()
+    return {"format": FORMAT, "target": str(target_file), "target_bytes": st.st_size,
+            "feature_layers": list(feature_layers), "dtype": str(dtype).split(".")[-1],
+            "context": CONTEXT}  # fmt: skip
+
+
+@torch.no_grad()
+def shard_features(target: LlamaModel, seqs: list[tuple[np.ndarray, int]],
+                   feature_layers: tuple[int, ...], store: torch.dtype) -> Packed:  # fmt: skip
+    """Prefill each sequence whole; keep its window [prompt_len - CONTEXT, length)."""
+    tokens, features, hidden, argmax, lengths = [], [], [], [], [0]
+    lm = target.lm_head
+    for ids, prompt_len in seqs:
+        L = len(ids)
+        x = torch.from_numpy(ids).unsqueeze(0).to(target.device)
+        cache = target.new_cache(L, 1)
+        h, f = target.forward(x, torch.arange(L, device=target.device).unsqueeze(0), cache,
+                              None, feature_layers, output_hidden=True)  # fmt: skip
+        a = max(0, prompt_len - CONTEXT)
+        hw = h[0, a:]
+        tokens.append(x[0, a:].cpu())
+        features.append(f[0, a:].to("cpu", store))
+        hidden.append(hw.to("cpu", store))
+        argmax.append(torch.nn.functional.linear(hw, lm.to(hw.dtype)).argmax(-1).cpu())
+        lengths.append(L - a)
+    return Packed(torch.cat(tokens), torch.cat(features), torch.cat(hidden), torch.cat(argmax),
+                  torch.tensor(lengths).cumsum(0))  # fmt: skip
+
+
+def save_packed(p: Packed, path: Path, settings: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tensors = {"tokens": p.tokens, "features": p.features, "hidden": p.hidden,
+               "argmax": p.argmax, "offsets": p.offsets}  # fmt: skip
+    save_safetensors(tensors, tmp)
+    path.with_suffix(".json").write_text(json.dumps(settings))
+    tmp.replace(path)
+
+
+def load_packed(path: Path, settings: dict) -> Packed | None:
+    """The cached windows of ``path`` when they were made with ``settings``, else None."""
+    meta = path.with_suffix(".json")
+    if not (path.is_file() and meta.is_file()) or json.loads(meta.read_text()) != settings:
+        return None
+    with safe_open(str(path), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+    return Packed(t["tokens"], t["features"], t["hidden"], t["argmax"], t["offsets"])
+
+
+def cached_features(cache: Path | None, name: str, make, settings: dict) -> tuple[Packed, bool]:
+    """(windows, computed now?): read ``cache/name.safetensors`` or make and keep them."""
+    path = None if cache is None else cache / f"{name}.safetensors"
+    if path is not None and (got := load_packed(path, settings)) is not None:
+        return got, False
+    t0 = time.perf_counter()
+    p = make()
+    if path is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        save_packed(p, path, settings)
+    rate = int(p.offsets[-1]) / max(time.perf_counter() - t0, 1e-9)
+    print(f"[{time.strftime('%H:%M:%S')}] features of {name}: {len(p)} windows, "
+          f"{int(p.offsets[-1])} positions, {rate:.0f} positions/s", flush=True)  # fmt: skip
+    return p, True

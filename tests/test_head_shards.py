@@ -1,0 +1,126 @@
+"""head_shards on token-id shards: features are computed once per shard and read back, batches
+are windows of similar length whose rows equal the packed windows, the loss over the draft rows
+alone (the kept argmax) equals the loss over full logits, and a short run trains, resumes,
+exports and evaluates. Target: the default pair's (in every clone), fused layers 1, 2, 3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR
+from rheo_engine.train.head import head_config
+from rheo_engine.train.head_config import HeadTrainConfig
+from rheo_engine.train.head_features import CONTEXT, LengthBatches, Packed, shard_features
+from rheo_engine.train.head_loop import Trainer
+from rheo_engine.train.head_shards import draft_vocabulary_of, empty_data, main
+from rheo_engine.train.smollm2_data import shard_path
+
+TARGET = DEFAULT_PAIR / "target"
+LAYERS = (1, 2, 3)
+
+
+def write_shards(data: Path, n: int, vocab: int) -> None:
+    """n shards of 6 sequences each: a 20-token prompt, then a reply of 3..40 tokens."""
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        tokens, index, offset = [], [], 0
+        for k in range(6):
+            prompt, reply = 20, int(rng.integers(3, 41))
+            ids = rng.integers(3, vocab, prompt + reply)
+            tokens.append(ids)
+            index.append((offset, prompt, prompt + reply, k % 3, 0))
+            offset += prompt + reply
+        np.savez_compressed(shard_path(data, i), tokens=np.concatenate(tokens).astype(np.uint16),
+                            index=np.array(index, dtype=np.int32))  # fmt: skip
+
+
+def test_packed_windows_batches_and_length_runs() -> None:
+    target = LlamaModel.from_pretrained(TARGET)
+    rng = np.random.default_rng(1)
+    seqs = [(rng.integers(3, 200, 20 + r), 20) for r in (5, 30, 12, 40, 7)]
+    p = shard_features(target, seqs, LAYERS, torch.float32)
+    assert p.lengths.tolist() == [CONTEXT + r for r in (5, 30, 12, 40, 7)]
+    assert torch.equal(p.tokens[: CONTEXT + 5], torch.from_numpy(seqs[0][0][20 - CONTEXT :]))
+    # The kept argmax is the target's over the full vocabulary.
+    lm = target.lm_head.to(p.hidden.dtype)
+    assert torch.equal(p.argmax, torch.nn.functional.linear(p.hidden, lm).argmax(-1))
+    tokens, features, hidden, lengths, argmax = p.batch(torch.tensor([3, 0]))
+    assert tokens.shape == (2, CONTEXT + 40) and lengths.tolist() == [CONTEXT + 40, CONTEXT + 5]
+    sel = p.select([0])
+    assert torch.equal(features[1, : CONTEXT + 5], sel.features)
+    assert not features[1, CONTEXT + 5 :].any() and not tokens[1, CONTEXT + 5 :].any()
+    both = Packed.cat([p, sel])
+    assert len(both) == 6 and torch.equal(both.select([5]).hidden, sel.hidden)
+    # Runs of similar length: every batch is a contiguous run of the length order.
+    runs = LengthBatches(p, positions=2 * (CONTEXT + 12))
+    gen = torch.Generator().manual_seed(0)
+    order = runs.order.tolist()
+    for _ in range(20):
+        w = runs.draw(gen).tolist()
+        at = order.index(w[0])
+        assert w == order[at : at + len(w)] and len(w) * int(p.lengths[w].max()) <= max(
+            2 * (CONTEXT + 12), int(p.lengths[w].max()))
+
+
+def test_draft_rows_alone_give_the_full_logits_loss() -> None:
+    target = LlamaModel.from_pretrained(TARGET)
+    rng = np.random.default_rng(2)
+    seqs = [(rng.integers(3, 100, 20 + r), 20) for r in (9, 25, 14)]
+    p = shard_features(target, seqs, LAYERS, torch.float32)
+    V = target.cfg.vocab_size
+    # All of the target's argmaxes but the commonest (whose positions are masked), then filler.
+    common = int(p.argmax.mode().values)
+    kept = [i for i in torch.unique(p.argmax).tolist() if i != common]
+    used = torch.tensor(sorted(kept + [i for i in range(V) if i not in p.argmax][:120 - len(kept)]))
+    assert len(used) == 120 and len(kept) >= 1
+    cfg = HeadTrainConfig(feature_layers=LAYERS, draft_vocab=120, unroll=3, chat=True)
+    trainer = Trainer(cfg, head_config(target.cfg, cfg), target, used, empty_data(), empty_data(),
+                      "cpu")  # fmt: skip
+    batch = p.batch(torch.arange(3))
+    full, stats_full = trainer.losses(batch[:4])
+    rows, stats_rows = trainer.losses(batch)
+    torch.testing.assert_close(rows, full, rtol=1e-5, atol=1e-6)
+    for a, b in zip(stats_full, stats_rows, strict=True):
+        assert int(a["count"]) == int(b["count"]) > 0 and int(a["hits"]) == int(b["hits"])
+        assert int(a["count"]) < int(batch[3].sum()) - 3  # the commonest argmax's are masked
+
+
+def test_run_caches_features_resumes_exports_and_evaluates(tmp_path: Path, capsys) -> None:
+    data, work = tmp_path / "data", tmp_path / "work"
+    write_shards(data, 4, LlamaModel.from_pretrained(TARGET).cfg.vocab_size)
+    common = ["--data", str(data), "--target", str(TARGET), "--work", str(work),
+              "--feature-layers", "1,2,3", "--unroll", "2", "--draft-vocab", "300",
+              "--positions", "128", "--val-quick", "4", "--warmup", "1", "--autocast", "off"]
+    got = main([*common, "--features-only"])
+    assert got["train_positions"] == sum(CONTEXT + int(r) for r in _replies(data, [2, 3]))
+    first = capsys.readouterr().out
+    assert first.count("features of shard_") == 2 and "features of val" in first
+    kept = sorted(p.name for p in (work / "features").glob("*.safetensors"))
+    assert kept == ["shard_00002.safetensors", "shard_00003.safetensors", "val12.safetensors"]
+    main([*common, "--max-steps", "4", "--minutes", "0.1"])  # runs out of time: no step
+    main([*common, "--max-steps", "3"])
+    out = capsys.readouterr().out
+    assert "features of" not in out  # read back from --work/features, not recomputed
+    assert json.loads((work / "ckpt.json").read_text())["step"] == 3
+    main([*common, "--max-steps", "5", "--resume", "--out", str(tmp_path / "head")])
+    assert "resumed from step 3" in capsys.readouterr().out
+    log = json.loads((tmp_path / "head" / "train_log.json").read_text())
+    assert log["step"] == 5 and log["positions_train"] == got["train_positions"]
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 300 and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    result = main([*common, "--evaluate", str(tmp_path / "head")])
+    assert result["acc"] == log["val"]["acc"]  # the same held-out windows, the same loss code
+
+
+def _replies(data: Path, shards: list[int]) -> list[int]:
+    out = []
+    for i in shards:
+        with np.load(shard_path(data, i)) as z:
+            out += [int(length - prompt) for _, prompt, length, _, _ in z["index"]]
+    return out
