@@ -41,6 +41,8 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
 
 // skinny linear (csrc/include/rheo/skinny_linear.h)
 void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+bool skinny_linear_bf16_dot();
+bool set_skinny_linear_bf16_dot(bool on);
 
 // tree attention (csrc/include/rheo/tree_attention.h); prefix_lens, kv_slots: None or [B] int32
 void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

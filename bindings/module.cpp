@@ -58,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_tree", &b::build_tree, "Global top-(N-1) with the tie rule; tree layout.");
   // skinny linear
   m.def("skinny_linear", &b::skinny_linear, "y = x W^T for a few rows of x (fp32 sums).");
+  m.def("skinny_linear_bf16_dot", &b::skinny_linear_bf16_dot, "Whether bf16 runs on vdpbf16ps.");
+  m.def("set_skinny_linear_bf16_dot", &b::set_skinny_linear_bf16_dot, "Allow it or not (tests).");
   // tree attention
   m.def("tree_attention", &b::tree_attention, "Attention of N tree nodes over prefix + tree (GQA), ragged / pooled.");
   // verification

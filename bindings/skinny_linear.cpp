@@ -99,4 +99,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   });
 }
 
+bool skinny_linear_bf16_dot() { return skinny_linear_bf16_dot_on(); }
+bool set_skinny_linear_bf16_dot(bool on) { return skinny_linear_set_bf16_dot(on); }
+
 }  // namespace rheo::bind
