@@ -39,6 +39,12 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
                 at::Tensor& retrieve_indices, at::Tensor& n_leaves,
                 const std::optional<at::Tensor>& status);
 
+// quantized linear (csrc/include/rheo/quant_linear.h); type: 0 = Q8_0, 1 = Q4_0, 2 = Q4_1
+void quantize_rows_q8(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::Tensor& xs,
+                      at::Tensor& xm);
+void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t out,
+                  at::Tensor& y);
+
 // skinny linear (csrc/include/rheo/skinny_linear.h)
 void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 bool skinny_linear_bf16_dot();

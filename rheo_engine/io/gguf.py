@@ -2,13 +2,17 @@
 
     ckpt = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     ckpt.config            # config.json's fields (LlamaForCausalLM)
-    ckpt.tensors           # HF tensor names -> float32 tensors, dequantized, q/k un-permuted
+    ckpt.tensors           # HF tensor names -> float32 tensors (q/k un-permuted), or
+                           # QuantWeight for Q8_0 / Q4_0 / Q4_1 tensors kept quantized
+    ckpt.formats           # one line: which GGUF types stay quantized, which are dequantized
     ckpt.tokenizer_json    # an HF `tokenizers` object built from the file's vocabulary
     ckpt.tokenizer_config  # bos/eos names, add_bos_token, chat_template
     ckpt.save(out_dir, torch.bfloat16)   # = `python -m rheo_engine.io.convert gguf IN OUT`
 
-The file is parsed by `gguf` (llama.cpp's own Python reader) and dequantized by its
-`gguf.quants`. What this module adds is what llama.cpp's converter did to an HF checkpoint,
+The file is parsed by `gguf` (llama.cpp's own Python reader). Q8_0, Q4_0 and Q4_1 tensors stay
+quantized (rheo_engine.models.quant.QuantWeight: the kernels run them as stored); every other
+type (F16, BF16, the K-quants, Q5_x) is dequantized by `gguf.quants` to float32, and so is every
+tensor with ``quantized=False`` (head training, the converter). What this module adds is what llama.cpp's converter did to an HF checkpoint,
 undone (docs/gguf.md):
 - tensor names: ``blk.{i}.attn_q.weight`` is ``model.layers.{i}.self_attn.q_proj.weight``, ...;
 - q and k projections: the converter permutes each head's output rows from HF's rotate-half
@@ -107,10 +111,11 @@ class GGUFCheckpoint:
 
     path: Path
     config: dict[str, Any]  # config.json
-    tensors: dict[str, torch.Tensor]  # HF names -> float32, exactly the checkpoint's tensors
+    tensors: dict[str, Any]  # HF names -> float32 tensors or QuantWeight (kept quantized)
     tokenizer_json: str  # tokenizer.json (tokenizers' own serialisation)
     tokenizer_config: dict[str, Any]  # tokenizer_config.json (with the chat template)
     generation_config: dict[str, Any]  # generation_config.json (BOS/EOS ids)
+    formats: str = ""  # e.g. "kept quantized: Q4_1 x210, Q8_0 x1; dequantized: F32 x61"
 
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write an HF directory: config.json, model.safetensors in ``dtype``, tokenizer.json,
@@ -121,7 +126,7 @@ class GGUFCheckpoint:
         out.mkdir(parents=True, exist_ok=True)
         self.save_metadata(out, dict(self.config, torch_dtype=str(dtype).removeprefix("torch.")))
         save_safetensors(
-            {k: t.to(dtype) for k, t in self.tensors.items()}, out / "model.safetensors"
+            {k: _float(t, dtype) for k, t in self.tensors.items()}, out / "model.safetensors"
         )
 
     def save_metadata(self, out: Path, config: dict[str, Any] | None = None) -> None:
@@ -153,12 +158,20 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Read, check and dequantize a llama GGUF file; every problem is one ValueError line."""
+def read_gguf(path: str | Path, quantized: bool = True) -> GGUFCheckpoint:
+    """Read and check a llama GGUF file; Q8_0 / Q4_0 / Q4_1 tensors stay quantized (QuantWeight)
+    unless ``quantized=False``, the rest is dequantized. Every problem is one ValueError line."""
     reader, path, tok, config = _header(path)
-    tensors = _tensors(reader, path, config)
+    tensors, formats = _tensors(reader, path, config, quantized)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    return GGUFCheckpoint(path, config, tensors, *tok[:3])
+    return GGUFCheckpoint(path, config, tensors, *tok[:3], formats=formats)
+
+
+def _float(t, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in ``dtype``; a QuantWeight dequantized (through float32, as gguf.quants)."""
+    from rheo_engine.models.quant import QuantWeight
+
+    return t.dequantize(torch.float32).to(dtype) if isinstance(t, QuantWeight) else t.to(dtype)
 
 
 def gguf_config(path: str | Path) -> dict[str, Any]:
@@ -333,13 +346,16 @@ def _hf_name(name: str, n_layers: int) -> str | None:
     return None
 
 
-def _tensors(reader, path: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its HF name. The shapes are the file's own
-    (``LlamaModel.from_weights`` checks them against the config); the numpy arrays cover only
-    the file's bytes, so a corrupt size fails here instead of allocating what it claims."""
+def _tensors(reader, path: Path, config: dict[str, Any], quantized: bool = True):
+    """Every tensor under its HF name: Q8_0 / Q4_0 / Q4_1 kept (with ``quantized``) as a
+    QuantWeight, the rest dequantized to float32; and the one-line summary of which is which.
+    The shapes are the file's own (``LlamaModel.from_weights`` checks them against the config);
+    the numpy arrays cover only the file's bytes, so a corrupt size fails here instead of
+    allocating what it claims."""
     from gguf.quants import dequantize
 
     from rheo_engine.config import ModelConfig
+    from rheo_engine.models.quant import KEPT_TYPES, QuantWeight
 
     cfg = ModelConfig.from_dict(dict(config, tie_word_embeddings=False), str(path))
     plan = {}
@@ -355,28 +371,47 @@ def _tensors(reader, path: Path, config: dict[str, Any]) -> dict[str, torch.Tens
                 "with llama-quantize to one of those"
             )
         plan[hf] = t
-    out = {}
+    out, kept, dequantized = {}, {}, {}
     for hf, t in plan.items():
         shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dims innermost first
-        try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        except (ValueError, TypeError, IndexError) as e:
-            raise ValueError(
-                f"{path}: tensor {t.name} does not dequantize ({_short(e)}); "
-                "the file is truncated or corrupt: re-download it"
-            ) from None
-        w = torch.from_numpy(w.copy())
+        kind, qtype = hf.split(".")[-2], t.tensor_type.name
+        keep = quantized and qtype in KEPT_TYPES and len(shape) == 2
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-        kind = hf.split(".")[-2]
-        if kind in heads:
-            if w.dim() != 2 or w.shape[0] % (2 * heads[kind]):
+        if kind in heads and (len(shape) != 2 or shape[0] % (2 * heads[kind])):
+            raise ValueError(
+                f"{path}: tensor {t.name} has shape {list(shape)}, not "
+                f"{heads[kind]} heads of even size; the file is corrupt"
+            )
+        if keep:  # whole rows of blocks: the q/k permutation moves rows as for floats
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy of the file's
+            if kind in heads and raw.dim() == 2 and raw.shape[0] == shape[0]:
+                raw = _unpermute(raw, heads[kind])
+            w = QuantWeight.from_blocks(qtype.lower(), raw, shape, f"{path}: tensor {t.name}")
+        else:
+            try:
+                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            except (ValueError, TypeError, IndexError) as e:
                 raise ValueError(
-                    f"{path}: tensor {t.name} has shape {list(shape)}, not "
-                    f"{heads[kind]} heads of even size; the file is corrupt"
-                )
-            w = _unpermute(w, heads[kind])
+                    f"{path}: tensor {t.name} does not dequantize ({_short(e)}); "
+                    "the file is truncated or corrupt: re-download it"
+                ) from None
+            w = torch.from_numpy(w.copy())
+            if kind in heads:
+                w = _unpermute(w, heads[kind])
+        counts = kept if keep else dequantized
+        counts[qtype] = counts.get(qtype, 0) + 1
         out[hf] = w
-    return out
+    return out, _formats(kept, dequantized)
+
+
+def _formats(kept: dict[str, int], dequantized: dict[str, int]) -> str:
+    """"kept quantized: Q4_1 x210, Q8_0 x1; dequantized: F32 x61" (norms are F32 anyway)."""
+    def part(counts: dict[str, int]) -> str:
+        return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    return "; ".join(
+        f"{label}: {part(c)}" for label, c in (("kept quantized", kept), ("dequantized", dequantized)) if c
+    )
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rheo_engine.machine import kept_file, read_kept, write_kept
+from rheo_engine.models.quant import QuantWeight
 from rheo_engine.spec import kernels
 
 FORCE = ("torch", "skinny")
@@ -89,6 +90,8 @@ def _time_both(n: int, w: torch.Tensor) -> tuple[float, float]:
 
 def uses_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when ``linear(x, w)`` runs ``kernels.skinny_linear`` rather than ``F.linear``."""
+    if isinstance(w, QuantWeight):
+        return False  # kernels.quant_linear runs it
     if x.device.type != "cpu" or w.device.type != "cpu" or w.dim() != 2:
         return False
     if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float32):
@@ -126,4 +129,6 @@ def _choose(dtype: torch.dtype, w: torch.Tensor, n: int) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ w [out, in]^T -> [..., out], no bias (``F.linear(x, w)``'s contract)."""
+    if isinstance(w, QuantWeight):  # kept in a GGUF block format: kernels.quant_linear
+        return w.matmul(x)
     return kernels.skinny_linear(x, w) if uses_skinny(x, w) else F.linear(x, w)

@@ -21,6 +21,7 @@ from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
 from rheo_engine.io.weights import load_safetensors, open_safetensors, read_parts, tensor_part
 from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
+from rheo_engine.models.quant import QUANTIZE_CHOICES, QuantWeight, embedding, quantize_q8_0
 from rheo_engine.parallel import TPGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -281,6 +282,9 @@ class LlamaModel:
         self.dtype = embed_tokens.dtype
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # [D/2] float32
         self.source: str | None = None  # the directory it was loaded from, named in errors
+        # how the weights are held, one line: "Q4_1 x90, Q8_0 x1, float32 x61" or a GGUF file's
+        # "kept quantized: ...; dequantized: ..." (models/quant.py)
+        self.weight_formats = ""
 
     @classmethod
     def from_pretrained(
@@ -289,17 +293,22 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         tp: TPGroup | None = None,
+        quantized: bool = True,
+        quantize: str | None = None,
     ) -> LlamaModel:
         """Load an HF Llama directory (config.json + safetensors, single or sharded), or a
-        llama GGUF file (rheo_engine.io.gguf: dequantized, bf16 unless ``dtype`` says). With
-        ``tp``, only this rank's parts of a safetensors checkpoint are read (file by file);
-        a GGUF file is dequantized whole, then cut."""
+        llama GGUF file (rheo_engine.io.gguf: Q8_0 / Q4_0 / Q4_1 kept quantized unless
+        ``quantized=False``, the rest dequantized; bf16 unless ``dtype`` says). ``quantize``
+        ("q8_0") quantizes a float checkpoint's matrices at load. With ``tp``, only this rank's
+        parts of a safetensors checkpoint are read (file by file); a GGUF file is read whole
+        (and dequantized: the ranks cut float tensors), then cut."""
         if is_gguf(path):
-            return cls.from_gguf(read_gguf(path), device, dtype, tp)
+            ckpt = read_gguf(path, quantized=quantized and tp is None)
+            return cls.from_gguf(ckpt, device, dtype, tp, quantized, quantize)
         cfg = ModelConfig.from_hf_dir(path)
         dtype = resolve_dtype(dtype, cfg)
         weights = load_safetensors(path) if tp is None else open_safetensors(path)
-        model = cls.from_weights(cfg, weights, device, dtype, tp)
+        model = cls.from_weights(cfg, weights, device, dtype, tp, quantized, quantize)
         model.source = str(path)
         return model
 
@@ -310,11 +319,17 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         tp: TPGroup | None = None,
+        quantized: bool = True,
+        quantize: str | None = None,
     ) -> LlamaModel:
-        """Build from a read GGUF file (its config and dequantized tensors)."""
+        """Build from a read GGUF file (its config and tensors). Its Q8_0 / Q4_0 / Q4_1 tensors
+        stay quantized; ``quantized=False`` dequantizes them (head training reads the float
+        target so), as does ``tp``. ``quantize`` ("q8_0") quantizes the float matrices."""
         cfg = ModelConfig.from_dict(ckpt.config, str(ckpt.path))
-        model = cls.from_weights(cfg, ckpt.tensors, device, dtype, tp)
+        model = cls.from_weights(cfg, ckpt.tensors, device, dtype, tp, quantized, quantize)
         model.source = str(ckpt.path)
+        if ckpt.formats and quantized and quantize is None and tp is None:
+            model.weight_formats = ckpt.formats
         return model
 
     @classmethod
@@ -325,18 +340,51 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         tp: TPGroup | None = None,
+        quantized: bool = True,
+        quantize: str | None = None,
     ) -> LlamaModel:
         """Build from HF-named tensors (a dict, or io.weights.open_safetensors' lazy ones):
-        exactly those config.json implies (checked first); with ``tp``, this rank's parts."""
+        exactly those config.json implies (checked first); with ``tp``, this rank's parts.
+        QuantWeight tensors (a GGUF file's) stay quantized unless ``quantized=False`` or ``tp``
+        (the ranks cut float tensors); ``quantize="q8_0"`` turns every float matrix whose width
+        is a multiple of 32 into Q8_0 (llama.cpp's rule), the norms stay float."""
         dtype = resolve_dtype(dtype, cfg)
+        if quantize is not None and quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize={quantize!r} is not one of {list(QUANTIZE_CHOICES)}; "
+                             "pick one or None (keep the checkpoint's weights)")  # fmt: skip
+        if quantize is not None and tp is not None and tp.size > 1:
+            raise ValueError(f"quantize={quantize!r} does not run with tensor parallelism "
+                             "(the ranks cut float tensors); drop one of the two")  # fmt: skip
+        keep = quantized and (tp is None or tp.size == 1)
         check_weights(cfg, weights)
         got = read_parts(weights, rank_parts(cfg, tp))
+        counts: dict[str, int] = {}
+
+        def stored(t, matrix: bool = True):
+            """t on the device: kept quantized, quantized now, or a float tensor in dtype."""
+            if isinstance(t, QuantWeight) and keep:
+                t = QuantWeight(t.qtype, tuple(t.shape), t.packed.to(device), dtype)
+            elif isinstance(t, QuantWeight):
+                t = t.dequantize(torch.float32).to(device=device, dtype=dtype)
+            elif quantize is not None and matrix and t.dim() == 2 and t.shape[1] % 32 == 0:
+                t = quantize_q8_0(t.to(device=device), dtype)
+            else:
+                t = t.to(device=device, dtype=dtype).contiguous()
+            kind = t.qtype.upper() if isinstance(t, QuantWeight) else str(t.dtype)[6:]
+            counts[kind] = counts.get(kind, 0) + 1
+            return t
 
         def w(name: str) -> torch.Tensor:
-            return got[name].to(device=device, dtype=dtype).contiguous()
+            return stored(got[name], not name.endswith("norm.weight"))
 
         def cat(*names: str) -> torch.Tensor:
-            return torch.cat([got[n].to(device=device, dtype=dtype) for n in names]).contiguous()
+            parts = [got[n] for n in names]
+            qtypes = {p.qtype if isinstance(p, QuantWeight) else None for p in parts}
+            if keep and len(qtypes) == 1 and None not in qtypes:
+                return stored(QuantWeight.cat(parts))  # q/k/v (gate/up) of one type: stacked
+            floats = [p.dequantize(torch.float32) if isinstance(p, QuantWeight) else p
+                      for p in parts]  # fmt: skip
+            return stored(torch.cat([f.to(device=device, dtype=dtype) for f in floats]))
 
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -366,7 +414,9 @@ class LlamaModel:
             if lm_head.shape[0] < per:  # the last rank of a vocabulary N does not divide
                 pad = lm_head.new_zeros(per - lm_head.shape[0], lm_head.shape[1])
                 lm_head = torch.cat([lm_head, pad])
-        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, tp)
+        model = cls(cfg, embed, layers, w("model.norm.weight"), lm_head, tp)
+        model.weight_formats = ", ".join(f"{k} x{n}" for k, n in counts.items())
+        return model
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.cfg
@@ -457,7 +507,7 @@ class LlamaModel:
             tree_mask = torch.ones(B, n, n, dtype=torch.uint8, device=self.device).tril_()
         cos, sin = self._rope_tables(positions)
         captured: dict[int, torch.Tensor] = {}
-        x = F.embedding(tokens, self.embed_tokens)  # [B, n, hidden]
+        x = embedding(tokens, self.embed_tokens)  # [B, n, hidden]
         for i, layer in enumerate(self.layers):
             if i in feature_layers:
                 captured[i] = x

@@ -269,6 +269,46 @@ def build_tree(
     return tree
 
 
+# --- quantized linear ---------------------------------------------------------------------
+
+QUANT_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # csrc/include/rheo/quant_linear.h QuantType
+
+
+def quantize_rows_q8(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, in] bf16/fp32 (in % 32 == 0) as the quantized linear layer reads it: Q8 blocks of 32
+    columns, (xq [n, in] int8, xd [n, in/32] fp32 scale, xs [n, in/32] int32 sum of codes,
+    xm [n, in/32] fp32 = xd * xs) (quant_linear.h states the rounding)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [n, in], got shape {list(x.shape)}")
+    n, nb = x.shape[0], x.shape[1] // 32
+    xq = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    xd = torch.empty(n, nb, dtype=torch.float32, device=x.device)
+    xs = torch.empty(n, nb, dtype=torch.int32, device=x.device)
+    xm = torch.empty(n, nb, dtype=torch.float32, device=x.device)
+    _C.quantize_rows_q8(x, xq, xd, xs, xm)
+    return xq, xd, xs, xm
+
+
+def quant_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, out: int) -> torch.Tensor:
+    """y [..., out] = x [..., in] @ W^T with W packed (rheo_engine.models.quant.pack):
+    w [ceil(out/16), in/32, record] uint8 of type ``qtype`` (q8_0, q4_0, q4_1). x (bf16 or fp32,
+    contiguous) is quantized once to Q8 blocks; exact int32 block dot products, float32 scale
+    sums in block order, one rounding to x's dtype. A row's bits do not depend on the other rows,
+    the thread count or the CPU path."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"qtype={qtype!r} is not one of {list(QUANT_TYPES)}")
+    if x.dim() < 1:
+        raise ValueError(f"x must be [..., in], got shape {list(x.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = x.new_empty((x2.shape[0], out))
+    _C.quant_linear(x2, w, QUANT_TYPES[qtype], out, y)
+    return y.view(*x.shape[:-1], out)
+
+
 # --- skinny linear ------------------------------------------------------------------------
 
 

@@ -1,0 +1,339 @@
+// Quantized linear layer on the CPU (csrc/include/rheo/quant_linear.h): y = x W^T with W in
+// packed Q8_0 / Q4_0 / Q4_1 panels, x quantized once per matmul to Q8 blocks.
+//
+// Work split: the caller hands each thread whole panels (16 W rows). Within a panel the blocks
+// run in column order; for each block, the rows of x pass kGroup at a time over the block's record
+// (288-544 bytes, in L1), each row's 16 int32 dot products held in vector lanes (lane r = W row r
+// of the panel), so W is read from memory once for all n rows. The float step of each (row,
+// block) is the header's: acc = fma(d_w * xd, float(isum), acc) (+ fma(m_w, xm, acc) for Q4_1),
+// lane by lane, with acc kept per (row, W row) in `acc` [n, 16] across the blocks.
+//
+// Three paths, one arithmetic: the integer dot products are exact whatever instruction computes
+// them (AVX-512 VNNI vpdpbusd, AVX2 maddubs + madd, or the portable loop), and the float steps
+// are the same IEEE operations in the same order lane by lane, so every path, thread count and
+// row count gives the same bits (tests/test_quant_linear.py). The VNNI path runs where the
+// dispatch level (rheo/common.h cpu::active_isa) is AVX-512 and the CPU has AVX-512 BW + VNNI; the
+// AVX2 path where the level is AVX2 or above and the CPU has FMA and F16C; else the portable one.
+#include "rheo/quant_linear.h"
+
+#include "cpu_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RHEO_HAVE_X86_PATHS 1
+#endif
+
+namespace rheo {
+namespace {
+
+using cpu::bf16_to_float;
+using cpu::float_to_bf16;
+using cpu::half_to_float;
+
+constexpr int64_t kChunks = 8;  // 4-column chunks per block
+
+inline float load_x(const void* x, DType dtype, int64_t i) {
+  return dtype == DType::kBFloat16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i])
+                                   : static_cast<const float*>(x)[i];
+}
+
+inline void store_y(const QuantLinearArgs& a, int64_t i, int64_t o, float v) {
+  if (a.dtype == DType::kBFloat16)
+    static_cast<uint16_t*>(a.y)[i * a.y_stride + o] = float_to_bf16(v);
+  else
+    static_cast<float*>(a.y)[i * a.y_stride + o] = v;
+}
+
+// The float step of one (row, block) for one lane, as the header defines it.
+inline float block_step(float acc, float d_w, float m_w, float xd, float xm, int32_t isum,
+                        bool has_m) {
+  acc = std::fma(d_w * xd, static_cast<float>(isum), acc);
+  return has_m ? std::fma(m_w, xm, acc) : acc;
+}
+
+// --- portable path -----------------------------------------------------------------------------
+
+// Code of row r (of the panel), column k (of the block) in a record's code bytes.
+inline int32_t code(const uint8_t* codes, QuantType type, int r, int k) {
+  if (type == QuantType::kQ8_0) return static_cast<int8_t>(codes[(k / 4) * 64 + 4 * r + k % 4]);
+  const uint8_t byte = codes[((k % 16) / 4) * 64 + 4 * r + k % 4];
+  return k < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+void panel_portable(const QuantLinearArgs& a, int64_t p, float* acc /* [n, 16] */) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  const bool has_m = a.type == QuantType::kQ4_1;
+  const uint8_t* panel = a.w + p * nb * rec;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* record = panel + b * rec;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(record);   // [16] fp16
+    const uint16_t* m = d + kQuantPanel;                             // [16] fp16 (Q4_1)
+    const uint8_t* codes = record + (has_m ? 64 : 32);
+    for (int64_t i = 0; i < a.n; ++i) {
+      const int8_t* xq = a.xq + i * a.in + b * kQuantBlock;  // [32]
+      const int64_t ib = i * nb + b;
+      for (int r = 0; r < kQuantPanel; ++r) {
+        int32_t isum = 0;
+        for (int k = 0; k < kQuantBlock; ++k) isum += code(codes, a.type, r, k) * xq[k];
+        if (a.type == QuantType::kQ4_0) isum -= 8 * a.xs[ib];
+        float& s = acc[i * kQuantPanel + r];
+        s = block_step(s, half_to_float(d[r]), has_m ? half_to_float(m[r]) : 0.0f, a.xd[ib],
+                       a.xm[ib], isum, has_m);
+      }
+    }
+  }
+}
+
+#ifdef RHEO_HAVE_X86_PATHS
+// --- AVX2 path: 8 lanes = 8 W rows, two halves per panel ---------------------------------------
+
+#define RHEO_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define RHEO_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+constexpr int kGroup2 = 4;  // x rows per pass: 2 x 4 int32 accumulators + 4 broadcasts in ymm
+
+// The 4 bytes of x at p, in every 32-bit lane.
+RHEO_AVX2_INLINE __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Lane-wise sum of 4 products u8 * s8 (u <= 128 or s8 small enough for maddubs not to saturate:
+// |u * s| * 2 <= 128 * 127 * 2 < 2^15).
+RHEO_AVX2_INLINE __m256i dot4(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Exact int32 dot products of the panel's 16 W rows (half h: rows 8h..8h+7) with x rows
+// xq[0..G-1] over one block, into isum[g][h].
+template <int G>
+RHEO_AVX2_INLINE void block_dots_avx2(QuantType type, const uint8_t* codes,
+                                      const int8_t* const* xq, __m256i isum[][2]) {
+  for (int g = 0; g < G; ++g) isum[g][0] = isum[g][1] = _mm256_setzero_si256();
+  if (type == QuantType::kQ8_0) {
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      __m256i xb[G];
+      for (int g = 0; g < G; ++g) xb[g] = broadcast4(xq[g] + 4 * c);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        // maddubs wants u8 * s8: |w| * (x with w's sign), exact (|w| <= 128).
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64 + 32 * h));
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int g = 0; g < G; ++g)
+          isum[g][h] = _mm256_add_epi32(isum[g][h], dot4(aw, _mm256_sign_epi8(xb[g], w)));
+      }
+    }
+    return;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo_x[G], hi_x[G];
+    for (int g = 0; g < G; ++g) lo_x[g] = broadcast4(xq[g] + 4 * c), hi_x[g] = broadcast4(xq[g] + 16 + 4 * c);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64 + 32 * h));
+      const __m256i lo = _mm256_and_si256(v, low4);                         // columns 4c + j
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);   // columns 16 + 4c + j
+      for (int g = 0; g < G; ++g) {
+        const __m256i s = _mm256_add_epi32(dot4(lo, lo_x[g]), dot4(hi, hi_x[g]));
+        isum[g][h] = _mm256_add_epi32(isum[g][h], s);
+      }
+    }
+  }
+}
+
+template <int G>
+RHEO_AVX2_INLINE void group_avx2(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
+                                 int64_t i0, float* acc) {
+  const int64_t nb = a.in / kQuantBlock;
+  const bool has_m = a.type == QuantType::kQ4_1;
+  const int8_t* xq[G];
+  for (int g = 0; g < G; ++g) xq[g] = a.xq + (i0 + g) * a.in + b * kQuantBlock;
+  __m256i isum[G][2];
+  block_dots_avx2<G>(a.type, record + (has_m ? 64 : 32), xq, isum);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record) + h));
+    const __m256 m = has_m ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record) + 2 + h))
+                           : _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      const int64_t ib = (i0 + g) * nb + b;
+      __m256i is = isum[g][h];
+      if (a.type == QuantType::kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * a.xs[ib]));
+      float* s = acc + (i0 + g) * kQuantPanel + 8 * h;
+      __m256 v = _mm256_loadu_ps(s);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.xd[ib])), _mm256_cvtepi32_ps(is), v);
+      if (has_m) v = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xm[ib]), v);
+      _mm256_storeu_ps(s, v);
+    }
+  }
+}
+
+RHEO_AVX2 void panel_avx2(const QuantLinearArgs& a, int64_t p, float* acc) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  const uint8_t* panel = a.w + p * nb * rec;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* record = panel + b * rec;
+    int64_t i0 = 0;
+    for (; i0 + kGroup2 <= a.n; i0 += kGroup2) group_avx2<kGroup2>(a, record, b, i0, acc);
+    for (; i0 < a.n; ++i0) group_avx2<1>(a, record, b, i0, acc);
+  }
+}
+
+// --- AVX-512 VNNI path: 16 lanes = the whole panel ---------------------------------------------
+
+#define RHEO_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
+#define RHEO_VNNI_INLINE __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"), always_inline)) inline
+
+constexpr int kGroup512 = 8;  // x rows per pass
+
+RHEO_VNNI_INLINE __m512i broadcast4_512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int G>
+RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
+                                 int64_t i0, float* acc) {
+  const int64_t nb = a.in / kQuantBlock;
+  const bool has_m = a.type == QuantType::kQ4_1;
+  const uint8_t* codes = record + (has_m ? 64 : 32);
+  const int8_t* xq[G];
+  for (int g = 0; g < G; ++g) xq[g] = a.xq + (i0 + g) * a.in + b * kQuantBlock;
+  __m512i isum[G];
+  for (int g = 0; g < G; ++g) isum[g] = _mm512_setzero_si512();
+  if (a.type == QuantType::kQ8_0) {
+    // vpdpbusd multiplies u8 by s8: w + 128 (w xor 0x80) times x, exact; 128 * xs taken off below.
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + c * 64), flip);
+      for (int g = 0; g < G; ++g) isum[g] = _mm512_dpbusd_epi32(isum[g], w, broadcast4_512(xq[g] + 4 * c));
+    }
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + c * 64);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int g = 0; g < G; ++g) {
+        isum[g] = _mm512_dpbusd_epi32(isum[g], lo, broadcast4_512(xq[g] + 4 * c));
+        isum[g] = _mm512_dpbusd_epi32(isum[g], hi, broadcast4_512(xq[g] + 16 + 4 * c));
+      }
+    }
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
+  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record) + 1))
+                         : _mm512_setzero_ps();
+  const int32_t offset = a.type == QuantType::kQ8_0 ? 128 : a.type == QuantType::kQ4_0 ? 8 : 0;
+  for (int g = 0; g < G; ++g) {
+    const int64_t ib = (i0 + g) * nb + b;
+    __m512i is = isum[g];
+    if (offset != 0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(offset * a.xs[ib]));
+    float* s = acc + (i0 + g) * kQuantPanel;
+    __m512 v = _mm512_loadu_ps(s);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib])), _mm512_cvtepi32_ps(is), v);
+    if (has_m) v = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xm[ib]), v);
+    _mm512_storeu_ps(s, v);
+  }
+}
+
+RHEO_VNNI void panel_vnni(const QuantLinearArgs& a, int64_t p, float* acc) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  const uint8_t* panel = a.w + p * nb * rec;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* record = panel + b * rec;
+    int64_t i0 = 0;
+    for (; i0 + kGroup512 <= a.n; i0 += kGroup512) group_vnni<kGroup512>(a, record, b, i0, acc);
+    for (; i0 + 4 <= a.n; i0 += 4) group_vnni<4>(a, record, b, i0, acc);
+    for (; i0 < a.n; ++i0) group_vnni<1>(a, record, b, i0, acc);
+  }
+}
+#endif  // RHEO_HAVE_X86_PATHS
+
+using PanelFn = void (*)(const QuantLinearArgs&, int64_t, float*);
+
+PanelFn panel_fn() {
+#ifdef RHEO_HAVE_X86_PATHS
+  static const bool vnni = __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  const cpu::Isa level = cpu::active_isa();
+  if (vnni && level >= cpu::Isa::kAvx512) return &panel_vnni;
+  if (avx2 && level >= cpu::Isa::kAvx2) return &panel_avx2;
+#endif
+  return &panel_portable;
+}
+
+}  // namespace
+
+void quantize_rows_q8_cpu(const QuantRowsArgs& a) {
+  RHEO_CHECK(a.n >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
+             "quantize_rows_q8 needs n >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in);
+  RHEO_CHECK(a.x_stride >= a.in, "quantize_rows_q8 needs x_stride >= in=", a.in, ", got ",
+             a.x_stride);
+  RHEO_CHECK(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat32,
+             "quantize_rows_q8 takes bfloat16 or float32 x; convert x");
+  const int64_t nb = a.in / kQuantBlock;
+  for (int64_t i = 0; i < a.n; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[kQuantBlock];  // x row i, block b, as float
+      float amax = 0.0f;
+      for (int k = 0; k < kQuantBlock; ++k) {
+        v[k] = load_x(a.x, a.dtype, i * a.x_stride + b * kQuantBlock + k);
+        const float av = std::fabs(v[k]);
+        amax = av > amax ? av : amax;
+      }
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int k = 0; k < kQuantBlock; ++k) {
+        float q = std::nearbyint(v[k] * id);  // ties to even (the default rounding mode)
+        q = q == q ? std::min(127.0f, std::max(-127.0f, q)) : 0.0f;  // NaN x -> 0
+        const int32_t qi = static_cast<int32_t>(q);
+        a.xq[i * a.in + b * kQuantBlock + k] = static_cast<int8_t>(qi);
+        sum += qi;
+      }
+      const float d = amax / 127.0f;
+      a.xd[i * nb + b] = d;
+      a.xs[i * nb + b] = sum;
+      a.xm[i * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+void quant_linear_cpu(const QuantLinearArgs& a) {
+  RHEO_CHECK(a.n >= 0 && a.out >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
+             "quant_linear needs n, out >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in,
+             ", out=", a.out);
+  const int64_t panels = (a.out + kQuantPanel - 1) / kQuantPanel;
+  RHEO_CHECK(0 <= a.p_begin && a.p_begin <= a.p_end && a.p_end <= panels,
+             "quant_linear needs 0 <= p_begin <= p_end <= ", panels, " panels, got [", a.p_begin,
+             ", ", a.p_end, ")");
+  RHEO_CHECK(a.y_stride >= a.out, "quant_linear needs y_stride >= out=", a.out, ", got ",
+             a.y_stride);
+  RHEO_CHECK(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat32,
+             "quant_linear writes bfloat16 or float32 y; pick one");
+  if (a.n == 0) return;
+  const PanelFn fn = panel_fn();
+  std::vector<float> acc(a.n * kQuantPanel);  // [n, 16] running sums of one panel
+  for (int64_t p = a.p_begin; p < a.p_end; ++p) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    fn(a, p, acc.data());
+    const int64_t rows = std::min(kQuantPanel, a.out - p * kQuantPanel);
+    for (int64_t i = 0; i < a.n; ++i)
+      for (int64_t r = 0; r < rows; ++r)
+        store_y(a, i, p * kQuantPanel + r, acc[i * kQuantPanel + r]);
+  }
+}
+
+}  // namespace rheo
