@@ -1,13 +1,15 @@
-// Skinny linear layer on CUDA: y = x W^T for a few rows of x (csrc/include/rheo/skinny_linear.h).
+// Skinny linear layer on CUDA: y = x W^T (csrc/include/rheo/skinny_linear.h), with the CPU twin's
+// bits: every output is skinny::dot's sum in skinny::dot's order.
 // Work mapping: one warp per output row o (kWarps warps per block, grid = the rows / kWarps).
-// Why: W is read once and that read is the whole cost, so each warp streams one W row with
-// coalesced 16-byte loads (kVec elements per lane, 32 lanes side by side) and multiplies every
-// chunk with the same columns of up to kMaxRows rows of x, whose partial sums stay in registers;
-// x (n * in elements) is shared by all warps through L1/L2. Beyond kMaxRows rows the W row is
-// walked again per group of rows (from L2). A warp-shuffle sum then gives each dot product to
-// every lane, and lane c writes y[c, o]. Same math as the CPU kernel: float32 products and
-// sums, one rounding to the output dtype (bf16: to nearest even). Many rows (a prefill) belong to
-// cuBLAS; this kernel is for the decode step and the draft tree.
+// The 16 lanes of skinny::dot are the 16 threads of a half-warp: thread t holds lane t % 16 and
+// walks the columns in steps of 32 (bf16: it reads columns 2j + 1 then 2j of each step, 4 bytes)
+// or 16 (float32: column j), adding into one accumulator per row of x it owns; the two half-warps
+// own the even and the odd rows of a group of kMaxRows rows of x, so W row o is read once per
+// group (the half-warps read the same bytes: one transaction). The lanes then fold with
+// shuffles as skinny::dot folds them (l[j] += l[j + s], s = 8, 4, 2, 1), and thread 0 of each
+// half adds the last in % step columns in order and writes y. Sums use skinny::fma/add (bf16:
+// vdpbf16ps's denormal rule in software), never the device's own FTZ. Many rows (a prefill)
+// re-read W per group from L2; cuBLAS would be faster there but sums in its own order.
 
 #include <cstdint>
 
@@ -19,66 +21,78 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kMaxRows = 8;  // rows of x per pass over a W row: kMaxRows float accumulators
+constexpr int kMaxRows = 8;  // rows of x per pass over a W row: kMaxRows / 2 accumulators a thread
 
 using cuda::from_float;
-using cuda::to_float;
-using cuda::warp_sum;
 
-// kVec consecutive elements, loaded in one instruction when aligned to their size (16 bytes for
-// kVec = 16 / sizeof(T); plain element loads for kVec = 1).
-template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Chunk {
-  T v[kVec];
-};
+template <typename Elem>
+__device__ __forceinline__ void store(Elem* dst, float v);
+template <>
+__device__ __forceinline__ void store<float>(float* dst, float v) { *dst = v; }
+template <>
+__device__ __forceinline__ void store<uint16_t>(uint16_t* dst, float v) {
+  *reinterpret_cast<__nv_bfloat16*>(dst) = from_float<__nv_bfloat16>(v);
+}
 
-template <typename T, int kVec>
+// Elem: uint16_t (bf16 bits) or float.
+template <typename Elem>
 __global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArgs a) {
+  constexpr bool kBf16 = sizeof(Elem) == 2;
+  constexpr int64_t kStep = kBf16 ? 2 * skinny::kLanes : skinny::kLanes;
   const int lane = threadIdx.x % 32;
+  const int j = lane % 16;     // skinny::dot's lane
+  const int half = lane / 16;  // owns rows i0 + half, i0 + half + 2, ...
   const int64_t o = a.o_begin + static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (o >= a.o_end) return;  // warp-uniform: the whole warp leaves together
-  const T* w_row = static_cast<const T*>(a.w) + o * a.in;  // [in]
-  const T* x = static_cast<const T*>(a.x);                 // [n, in], row stride x_stride
-  T* y = static_cast<T*>(a.y);                             // [n, out], row stride y_stride
+  const Elem* w_row = static_cast<const Elem*>(a.w) + o * a.in;  // [in]
+  const Elem* x = static_cast<const Elem*>(a.x);                 // [n, in], row stride x_stride
+  Elem* y = static_cast<Elem*>(a.y);                             // [n, out], row stride y_stride
+  const int64_t steps = a.in - a.in % kStep;
   for (int64_t i0 = 0; i0 < a.n; i0 += kMaxRows) {
     const int rows = static_cast<int>(a.n - i0 < kMaxRows ? a.n - i0 : kMaxRows);
-    float acc[kMaxRows] = {};  // acc[c]: this lane's part of <W row o, x row i0 + c>
-    for (int64_t k = static_cast<int64_t>(lane) * kVec; k < a.in; k += 32 * kVec) {
-      const Chunk<T, kVec> wv = *reinterpret_cast<const Chunk<T, kVec>*>(w_row + k);
+    float acc[kMaxRows / 2] = {};  // acc[r]: lane j of <W row o, x row i0 + 2r + half>
+    for (int64_t k = 0; k < steps; k += kStep) {
+      if constexpr (kBf16) {
+        const float w_odd = skinny::to_float(w_row[k + 2 * j + 1]);
+        const float w_even = skinny::to_float(w_row[k + 2 * j]);
 #pragma unroll
-      for (int c = 0; c < kMaxRows; ++c) {
-        if (c >= rows) break;
-        const Chunk<T, kVec> xv =
-            *reinterpret_cast<const Chunk<T, kVec>*>(x + (i0 + c) * a.x_stride + k);
+        for (int r = 0; r < kMaxRows / 2; ++r) {
+          const int c = 2 * r + half;
+          if (c >= rows) break;
+          const Elem* x_row = x + (i0 + c) * a.x_stride;
+          acc[r] = skinny::fma<kBf16>(w_odd, skinny::to_float(x_row[k + 2 * j + 1]), acc[r]);
+          acc[r] = skinny::fma<kBf16>(w_even, skinny::to_float(x_row[k + 2 * j]), acc[r]);
+        }
+      } else {
+        const float wv = skinny::to_float(w_row[k + j]);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[c] += to_float(wv.v[j]) * to_float(xv.v[j]);
+        for (int r = 0; r < kMaxRows / 2; ++r) {
+          const int c = 2 * r + half;
+          if (c >= rows) break;
+          acc[r] = skinny::fma<kBf16>(wv, skinny::to_float(x[(i0 + c) * a.x_stride + k + j]), acc[r]);
+        }
       }
     }
 #pragma unroll
-    for (int c = 0; c < kMaxRows; ++c) {
-      const float sum = warp_sum(acc[c]);  // every lane takes part, for every c
-      if (lane == c && c < rows) y[(i0 + c) * a.y_stride + o] = from_float<T>(sum);
+    for (int r = 0; r < kMaxRows / 2; ++r) {
+      float v = acc[r];
+      for (int s = skinny::kLanes / 2; s > 0; s /= 2)  // every thread takes part, for every r
+        v = skinny::add<kBf16>(v, __shfl_down_sync(0xFFFFFFFFu, v, s, 16));
+      const int c = 2 * r + half;
+      if (j == 0 && c < rows) {
+        const Elem* x_row = x + (i0 + c) * a.x_stride;
+        for (int64_t k = steps; k < a.in; ++k)
+          v = skinny::fma<kBf16>(skinny::to_float(w_row[k]), skinny::to_float(x_row[k]), v);
+        store(y + (i0 + c) * a.y_stride + o, v);
+      }
     }
   }
 }
 
-// 16-byte loads need in, x_stride and both base addresses to be multiples of 16 bytes.
-template <typename T>
-bool can_vectorize(const SkinnyLinearArgs& a) {
-  constexpr int64_t kVec = 16 / sizeof(T);
-  return a.in % kVec == 0 && a.x_stride % kVec == 0 &&
-         reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w) % 16 == 0;
-}
-
-template <typename T>
+template <typename Elem>
 cudaError_t launch(const SkinnyLinearArgs& args, cudaStream_t stream) {
   const int64_t blocks = (args.o_end - args.o_begin + kWarps - 1) / kWarps;
-  if (can_vectorize<T>(args)) {
-    skinny_linear_kernel<T, 16 / sizeof(T)>
-         RHEO_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, stream)(args);
-  } else {
-    skinny_linear_kernel<T, 1> RHEO_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, stream)(args);
-  }
+  skinny_linear_kernel<Elem> RHEO_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, stream)(args);
   return cudaGetLastError();
 }
 
@@ -95,7 +109,7 @@ cudaError_t skinny_linear_cuda(const SkinnyLinearArgs& args, cudaStream_t stream
              args.o_end - args.o_begin, "; split W");
   if (args.n == 0 || args.o_begin == args.o_end) return cudaSuccess;
   switch (args.dtype) {
-    case DType::kBFloat16: return launch<__nv_bfloat16>(args, stream);
+    case DType::kBFloat16: return launch<uint16_t>(args, stream);
     case DType::kFloat32: return launch<float>(args, stream);
     default: return cudaErrorInvalidValue;
   }
