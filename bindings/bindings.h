@@ -12,6 +12,14 @@
 
 namespace rheo::bind {
 
+// fused layer operators (csrc/include/rheo/fused_ops.h); delta and residual_out: both or None
+void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta,
+                  const at::Tensor& weight, double eps,
+                  const std::optional<at::Tensor>& residual_out, at::Tensor& normed_out);
+void rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H,
+             int64_t Hkv, at::Tensor& q_out, at::Tensor& k_out);
+void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
+
 // logit controls (csrc/include/rheo/logit_controls.h): penalties and bans per node, in place
 void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
                     const at::Tensor& history_ids, const at::Tensor& history_counts,

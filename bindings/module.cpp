@@ -49,6 +49,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("STATUS_NON_FINITE_TARGET") = static_cast<int>(rheo::kStatusNonFiniteTarget);
   m.attr("STATUS_BAD_VERIFY_INPUT") = static_cast<int>(rheo::kStatusBadVerifyInput);
   m.attr("STATUS_BAD_CONTROLS") = static_cast<int>(rheo::kStatusBadControls);
+  // fused layer operators
+  m.def("add_rms_norm", &b::add_rms_norm, "RMSNorm (HF Llama) of x + delta; writes both.");
+  m.def("rope_qk", &b::rope_qk, "RoPE (rotate_half) on the q and k heads of a fused qkv.");
+  m.def("silu_mul", &b::silu_mul, "SiLU(gate) * up from a fused gate_up.");
   // logit controls
   m.def("logit_controls", &b::logit_controls, "Penalties and bans of each node's row, in place.");
   // pool sampler

@@ -10,6 +10,7 @@ the target id ``d + d2t[d]``. The tree-level state lives in ``eagle3_drafter.Eag
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +32,17 @@ from rheo_engine.models.eagle3_config import (
 )
 from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import linear
+from rheo_engine.spec import kernels
 
 __all__ = [
     "ARCHITECTURE", "DEFAULT_ROPE_THETA", "IGNORED_SUFFIXES", "LAYER_KEYS", "OPTIONAL_KEYS",
     "REQUIRED_KEYS", "Eagle3Head", "HeadConfig", "apply_rope", "head_config_json", "head_shapes",
     "init_head_weights", "rms_norm",
 ]  # fmt: skip
+
+# The head's matrices fused at first use (Eagle3Head._fused_weights): q, k, v, then gate, up.
+_FUSED_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                "mlp.up_proj")  # fmt: skip
 
 if TYPE_CHECKING:
     from rheo_engine.models.llama import LlamaModel
@@ -404,6 +410,8 @@ class Eagle3Head:
         bool says which of them and of the n new rows each pair sees. Returns h2 [B, n, H]
         (pre-norm, fed back) and the new rotated k, v [B, n, Hkv, D].
         """
+        if self._fused_ok(h):
+            return self._fused_layer(h, tokens, positions, past_k, past_v, mask)
         c, w = self.cfg, self.w
         B, n, _ = h.shape
         e = self.embed_tokens[tokens]  # [B, n, H]
@@ -424,8 +432,66 @@ class Eagle3Head:
 
     def logits(self, h2: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] float32 = lm_head(norm(h2))."""
-        normed = rms_norm(h2, self.w["norm.weight"], self.cfg.rms_norm_eps)
+        if self._fused_ok(h2):
+            _, normed = kernels.add_rms_norm(h2, self.w["norm.weight"], self.cfg.rms_norm_eps)
+        else:
+            normed = rms_norm(h2, self.w["norm.weight"], self.cfg.rms_norm_eps)
         return linear(normed, self.w["lm_head.weight"]).float()
+
+    # The fused CPU path of a draft level (kernels.add_rms_norm / rope_qk / silu_mul, as in
+    # LlamaModel): False (or RHEO_FUSED=0) runs the torch sequence, for comparison.
+    fused: bool = os.environ.get("RHEO_FUSED", "1") != "0"
+
+    def _fused_ok(self, h: torch.Tensor) -> bool:
+        return (
+            self.fused and h.device.type == "cpu" and h.dtype in (torch.bfloat16, torch.float32)
+            and not (torch.is_grad_enabled() and h.requires_grad)
+        )  # fmt: skip
+
+    def _fused_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_qkv [(Hq + 2 Hkv) D, 2H], w_gate_up [2 I, H], inv_freq [D/2]) built on first use
+        and kept while the q/k/v/gate/up tensors are unchanged (their version counters): one
+        matmul for q, k, v and one for gate, up, as the target's layers are held."""
+        parts = [self.w[f"midlayer.{k}.weight"] for k in _FUSED_PARTS]
+        key = tuple((t.data_ptr(), t._version) for t in parts)
+        kept = getattr(self, "_fused", None)
+        if kept is None or kept[0] != key:
+            D, theta = self.cfg.head_dim, self.cfg.rope_theta
+            # apply_rope's inverse frequencies, the same expression
+            inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=self.device).float() / D)
+            kept = (key, torch.cat(parts[:3]), torch.cat(parts[3:]), inv_freq)
+            self._fused = kept
+        return kept[1], kept[2], kept[3]
+
+    def _fused_layer(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """layer() on the fused kernels: the same math (HF roundings; the norms' variance summed
+        in double, ~1 ulp from torch's), ten calls fewer."""
+        c, w = self.cfg, self.w
+        B, n, _ = h.shape
+        Hq, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        w_qkv, w_gate_up, inv_freq = self._fused_weights()
+        e = self.embed_tokens[tokens]  # [B, n, H]
+        # docs/eagle3_format.md §7: embedding half first; the residual is the un-normed h.
+        _, e_normed = kernels.add_rms_norm(e, w["midlayer.input_layernorm.weight"], eps)
+        _, h_normed = kernels.add_rms_norm(h, w["midlayer.hidden_norm.weight"], eps)
+        qkv = linear(torch.cat((e_normed, h_normed), -1), w_qkv)  # [B, n, (Hq + 2 Hkv) D]
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, n, D/2]
+        cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
+        q, k = kernels.rope_qk(qkv, cos, sin, Hq, Hkv)  # [B, n, Hq, D], [B, n, Hkv, D]
+        v = qkv[..., (Hq + Hkv) * D :].view(B, n, Hkv, D)
+        attn = _attention(q, torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), mask)
+        o = linear(attn.reshape(B, n, -1), w["midlayer.self_attn.o_proj.weight"])
+        h1, y = kernels.add_rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps, o)
+        mlp = kernels.silu_mul(linear(y, w_gate_up))  # [B, n, intermediate]
+        return h1 + linear(mlp, w["midlayer.mlp.down_proj.weight"]), k, v
 
 
 def _attention(

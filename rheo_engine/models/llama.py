@@ -23,8 +23,10 @@ from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import linear
 from rheo_engine.models.quant import QUANTIZE_CHOICES, QuantWeight, embedding, quantize_q8_0
 from rheo_engine.parallel import TPGroup
+from rheo_engine.spec import kernels
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FUSED_DTYPES = (torch.bfloat16, torch.float32)  # what kernels.add_rms_norm & co. take
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -438,10 +440,16 @@ class LlamaModel:
             return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
         return weight * F.rms_norm(x.float(), weight.shape, None, self.cfg.rms_norm_eps).to(x.dtype)
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos [B, n, 1, D] and the signed sin [B, n, 1, D] at ``positions`` [B, n]."""
+    def _rope_tables(
+        self, positions: torch.Tensor, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [B, n, 1, D] and the signed sin [B, n, 1, D] at ``positions`` [B, n]; with
+        ``fused``, cos and sin [B, n, D/2] as kernels.rope_qk takes them (HF's tables: float32
+        angles, cast to the model dtype)."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, n, D/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if fused:
+            return cos.to(self.dtype), sin.to(self.dtype)
         # rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin): one roll instead of a cat.
         cos = torch.cat((cos, cos), -1).unsqueeze(2).to(self.dtype)
         sin = torch.cat((-sin, sin), -1).unsqueeze(2).to(self.dtype)
@@ -505,9 +513,15 @@ class LlamaModel:
         reduce = (lambda y: y) if self.tp is None else self.tp.all_reduce
         if tree_mask is None:
             tree_mask = torch.ones(B, n, n, dtype=torch.uint8, device=self.device).tril_()
-        cos, sin = self._rope_tables(positions)
+        fused = self.fused and self.device.type == "cpu" and self.dtype in _FUSED_DTYPES
+        cos, sin = self._rope_tables(positions, fused)
         captured: dict[int, torch.Tensor] = {}
         x = embedding(tokens, self.embed_tokens)  # [B, n, hidden]
+        if fused:
+            x, features = self._fused_layers(x, cos, sin, cache, tree_mask, feature_layers)
+            if last_logits_only:
+                x = x[:, -1:]
+            return self._logits(x, output_hidden), features
         for i, layer in enumerate(self.layers):
             if i in feature_layers:
                 captured[i] = x
@@ -522,13 +536,56 @@ class LlamaModel:
             x = x + reduce(linear(F.silu(gate) * up, layer.w_down))
         if last_logits_only:
             x = x[:, -1:]
-        x = self._rms_norm(x, self.norm)
-        if output_hidden:
-            logits = x
-        elif self.tp is None:
-            logits = linear(x, self.lm_head).float()
-        else:  # each rank's vocabulary rows, gathered in rank order, the last rank's pad cut
-            logits = self.tp.gather_last(linear(x, self.lm_head))[..., : self.cfg.vocab_size]
-            logits = logits.float()
         features = torch.cat([captured[j] for j in feature_layers], -1) if feature_layers else None
-        return logits, features
+        return self._logits(self._rms_norm(x, self.norm), output_hidden), features
+
+    # The fused CPU path: kernels.add_rms_norm / rope_qk / silu_mul (csrc/include/rheo/fused_ops.h)
+    # in place of ~20 torch operators a layer. False (or RHEO_FUSED=0) runs the torch sequence
+    # above, which the fused ops equal bit for bit except the norms' variance (~1 ulp apart):
+    # kept for comparison (tests/test_fused_ops.py, bench/op_count.py), CUDA and fp16.
+    fused: bool = os.environ.get("RHEO_FUSED", "1") != "0"
+
+    def _fused_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | SlotBatch,
+        tree_mask: torch.Tensor,
+        feature_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers on the embeddings x [B, n, hidden]: returns the final normed
+        state [B, n, hidden] and the features. Each residual add happens inside the next norm
+        (its input is the previous layer's output ``delta``), so a layer is nine calls: norm,
+        qkv, rope, attention, o, norm, gate_up, silu_mul, down (plus the v view)."""
+        B, n, _ = x.shape
+        H, Hkv, D = self.heads, self.kv_heads, self.cfg.head_dim  # this rank's, with tp
+        eps = self.cfg.rms_norm_eps
+        reduce = (lambda y: y) if self.tp is None else self.tp.all_reduce
+        captured: dict[int, torch.Tensor] = {}
+        delta = None  # [B, n, hidden] the previous layer's MLP output, added to x by the norm
+        for i, layer in enumerate(self.layers):
+            x, normed = kernels.add_rms_norm(x, layer.attn_norm, eps, delta)
+            if i in feature_layers:
+                captured[i] = x  # the residual entering layer i (HF hidden_states[i])
+            qkv = linear(normed, layer.w_qkv)  # [B, n, (H + 2Hkv) D]
+            q, k = kernels.rope_qk(qkv, cos, sin, H, Hkv)  # [B, n, H, D], [B, n, Hkv, D]
+            v = qkv[..., (H + Hkv) * D :].view(B, n, Hkv, D)
+            attn = cache.attend(i, q, k, v, tree_mask)  # [B, n, H, D]
+            o = reduce(linear(attn.view(B, n, H * D), layer.w_o))
+            x, normed = kernels.add_rms_norm(x, layer.mlp_norm, eps, o)
+            act = kernels.silu_mul(linear(normed, layer.w_gate_up))  # [B, n, I]
+            delta = reduce(linear(act, layer.w_down))
+        features = torch.cat([captured[j] for j in feature_layers], -1) if feature_layers else None
+        _, normed = kernels.add_rms_norm(x, self.norm, eps, delta)
+        return normed, features
+
+    def _logits(self, x: torch.Tensor, output_hidden: bool) -> torch.Tensor:
+        """The final normed state x [B, n, hidden] -> logits [B, n, V] float32 (or x itself with
+        ``output_hidden``); with tp, each rank's vocabulary rows gathered in rank order and the
+        last rank's pad cut."""
+        if output_hidden:
+            return x
+        if self.tp is None:
+            return linear(x, self.lm_head).float()
+        return self.tp.gather_last(linear(x, self.lm_head))[..., : self.cfg.vocab_size].float()

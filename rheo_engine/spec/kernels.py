@@ -269,6 +269,50 @@ def build_tree(
     return tree
 
 
+# --- fused layer operators ----------------------------------------------------------------
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm of the residual r = x + delta (or of x when ``delta`` is None): returns
+    (r, normed), both [..., hidden] in x's dtype (bf16 or fp32; r is ``x`` itself without delta).
+    x, delta [..., hidden] with dense rows; weight [hidden]. r rounds as a torch add; the norm
+    sums r^2 in double in a fixed order, then as HF: fp32 normalise, round, times the weight
+    (csrc/include/rheo/fused_ops.h). A row's bits depend on that row only."""
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if delta is None:
+        _C.add_rms_norm(x, None, weight, eps, None, normed)
+        return x, normed
+    residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _C.add_rms_norm(x, delta, weight, eps, residual, normed)
+    return residual, normed
+
+
+def rope_qk(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the q and k heads of a fused qkv [..., (H + 2 Hkv) D] (dense rows): returns
+    q [..., H, D] and k [..., Hkv, D], contiguous, rotated with cos, sin [..., D / 2] (qkv's
+    dtype, contiguous) as HF's q * cos + rotate_half(q) * sin, bit for bit. The v heads are
+    untouched: take them as a view of qkv."""
+    D = 2 * cos.shape[-1]
+    lead = qkv.shape[:-1]
+    q = torch.empty((*lead, H, D), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((*lead, Hkv, D), dtype=qkv.dtype, device=qkv.device)
+    _C.rope_qk(qkv, cos, sin, H, Hkv, q, k)
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up of a fused gate_up [..., 2 I] (gate first; dense rows) -> [..., I],
+    bf16 or fp32, bit for bit torch's vectorised silu and product."""
+    out = torch.empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=gate_up.dtype,
+                      device=gate_up.device)  # fmt: skip
+    _C.silu_mul(gate_up, out)
+    return out
+
+
 # --- quantized linear ---------------------------------------------------------------------
 
 QUANT_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # csrc/include/rheo/quant_linear.h QuantType
