@@ -31,6 +31,7 @@
 #include "rheo/logit_controls.h"
 #include "rheo/pool_sampler.h"
 #include "rheo/proxy_rerank.h"
+#include "rheo/quant_linear.h"
 #include "rheo/skinny_linear.h"
 #include "rheo/tree_attention.h"
 #include "rheo/verification.h"
@@ -852,6 +853,86 @@ void skinny_linear_tests() {
   }
 }
 
+// --- quantized linear -------------------------------------------------------------------------------
+
+struct QuantOut {
+  std::vector<unsigned char> y;
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xm;
+  std::vector<int32_t> xs;
+  bool operator==(const QuantOut& o) const {
+    return y == o.y && xq == o.xq && xd == o.xd && xs == o.xs && xm == o.xm;
+  }
+};
+
+// Random packed W (codes of every value, fp16 scales of both signs around 2^-7, zero pads), x of
+// a dtype with a row stride; the CUDA quantization and matmul must equal the CPU's bit for bit.
+void quant_linear_case(rheo::QuantType type, int64_t n, int64_t in, int64_t out, int64_t p_begin,
+                       int64_t p_end, DType dtype, uint64_t seed) {
+  ++cases;
+  current_case = "quant_linear type=" + std::to_string(static_cast<int>(type)) + " n=" +
+                 std::to_string(n) + " in=" + std::to_string(in) + " out=" + std::to_string(out) +
+                 " panels [" + std::to_string(p_begin) + ", " + std::to_string(p_end) + ") " +
+                 dtype_name(dtype);
+  Rng rng(seed);
+  const int64_t nb = in / rheo::kQuantBlock, panels = (out + 15) / 16;
+  const int64_t rec = rheo::quant_record_bytes(type), x_stride = in + 5, y_stride = out + 3;
+  std::vector<uint8_t> w(panels * nb * rec);
+  for (auto& b : w) b = static_cast<uint8_t>(rng.below(256));
+  const int scales = type == rheo::QuantType::kQ4_1 ? 32 : 16;
+  for (int64_t r = 0; r < panels * nb; ++r)
+    for (int s = 0; s < scales; ++s) {
+      const __half h = __float2half_rn(rng.normal(0.01f));
+      std::memcpy(w.data() + r * rec + 2 * s, &h, 2);
+    }
+  std::vector<float> xf(n * x_stride);
+  for (auto& v : xf) v = rng.uniform() < 0.05 ? 0.0f : rng.normal(2.0f);
+  const auto x = encode(xf, dtype);
+  QuantOut fresh{std::vector<unsigned char>(n * y_stride * elem_size(dtype), 0xAB),
+                 std::vector<int8_t>(n * in), std::vector<float>(n * nb),
+                 std::vector<float>(n * nb), std::vector<int32_t>(n * nb)};
+  auto rows = [&](QuantOut& o) {
+    rheo::QuantRowsArgs a;
+    a.x = x.data(), a.dtype = dtype, a.n = n, a.in = in, a.x_stride = x_stride;
+    a.xq = o.xq.data(), a.xd = o.xd.data(), a.xs = o.xs.data(), a.xm = o.xm.data();
+    return a;
+  };
+  auto lin = [&](QuantOut& o) {
+    rheo::QuantLinearArgs a;
+    a.xq = o.xq.data(), a.xd = o.xd.data(), a.xs = o.xs.data(), a.xm = o.xm.data();
+    a.w = w.data(), a.type = type, a.y = o.y.data(), a.dtype = dtype;
+    a.n = n, a.in = in, a.out = out, a.y_stride = y_stride, a.p_begin = p_begin, a.p_end = p_end;
+    return a;
+  };
+  QuantOut cpu = fresh;
+  rheo::quantize_rows_q8_cpu(rows(cpu));
+  rheo::quant_linear_cpu(lin(cpu));
+  const QuantOut cuda = run_twice<QuantOut>(
+      [&](QuantOut& o) {
+        const cudaError_t e = rheo::quantize_rows_q8_cuda(rows(o), nullptr);
+        return e != cudaSuccess ? e : rheo::quant_linear_cuda(lin(o), nullptr);
+      },
+      fresh);
+  expect_equal(cuda.xq, cpu.xq, "xq");
+  expect_equal(cuda.xs, cpu.xs, "xs");
+  expect_equal(cuda.xd, cpu.xd, "xd");
+  expect_equal(cuda.xm, cpu.xm, "xm");
+  expect_equal(cuda.y, cpu.y, "y (bytes)");
+}
+
+void quant_linear_tests() {
+  uint64_t seed = 500;
+  using rheo::QuantType;
+  for (const QuantType t : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1}) {
+    for (const DType d : {DType::kFloat32, DType::kBFloat16}) {
+      quant_linear_case(t, 1, 32, 16, 0, 1, d, ++seed);
+      quant_linear_case(t, 3, 96, 37, 0, 3, d, ++seed);    // out % 16 != 0: a padded last panel
+      quant_linear_case(t, 11, 64, 50, 1, 3, d, ++seed);   // rows past kMaxRows, a panel range
+      if (!quick) quant_linear_case(t, 19, 576, 192, 0, 12, d, ++seed);  // SmolLM2's k/v shape
+    }
+  }
+}
+
 // --- verification -----------------------------------------------------------------------------------
 
 struct VerifyCase {
@@ -1525,7 +1606,8 @@ int main(int argc, char** argv) {
       {"pool_sampler", pool_sampler_tests}, {"proxy_rerank", proxy_rerank_tests},
       {"tree_attention", tree_attention_tests}, {"skinny_linear", skinny_linear_tests},
       {"verification", verification_tests}, {"logit_controls", logit_controls_tests},
-      {"launch_limits", launch_limits_tests}};
+      {"launch_limits", launch_limits_tests},
+      {"quant_linear", quant_linear_tests}};
   for (const auto& [name, fn] : suites) {
     if (!only.empty() && only != name) continue;
     const int before = failures, cases_before = cases;
