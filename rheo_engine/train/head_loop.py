@@ -84,19 +84,23 @@ class Trainer:
         logp_t, arg_t, usable = self._targets(hidden, batch[4] if len(batch) > 4 else None)
         with torch.autocast(self.device.type, self.autocast or torch.bfloat16, enabled=bool(self.autocast)):
             drafts = self.model(features, tokens, self.cfg.unroll)  # U x [B, n, Vd]
+        # KL(p || q) = sum p log p - sum p log q: the first term once per position; the target
+        # rows of step s are a view of the padded target (index p + 1 + s; past the end masked).
+        U = self.cfg.unroll
+        p_t = F.pad(logp_t.exp(), (0, 0, 0, U))  # [B, T + U, Vd]
+        neg_entropy = F.pad((p_t[:, :T] * logp_t).sum(-1), (0, U))  # [B, T + U]
+        arg_t, usable = F.pad(arg_t, (0, U)), F.pad(usable, (0, U))
         total = torch.zeros((), device=self.device)
         stats = []
         for s, logits in enumerate(drafts):
             at = torch.arange(n, device=self.device) + 1 + s  # [n] where token p+2+s is predicted
-            idx = at.clamp(max=T - 1)  # past the end: masked below
-            valid = (at < lengths.unsqueeze(1)) & usable[:, idx]  # [B, n]
-            p_logp = logp_t[:, idx]  # [B, n, Vd]
+            valid = (at < lengths.unsqueeze(1)) & usable[:, 1 + s : 1 + s + n]  # [B, n]
             logq = logits.log_softmax(-1)
-            kl = (p_logp.exp() * (p_logp - logq)).sum(-1)  # [B, n]
+            kl = neg_entropy[:, 1 + s : 1 + s + n] - (p_t[:, 1 + s : 1 + s + n] * logq).sum(-1)
             count = valid.sum()
             kl_sum = (kl * valid).sum()
             total = total + self.cfg.step_decay**s * kl_sum / count.clamp(min=1)
-            hits = ((logq.argmax(-1) == arg_t[:, idx]) & valid).sum()
+            hits = ((logq.argmax(-1) == arg_t[:, 1 + s : 1 + s + n]) & valid).sum()
             stats.append({"kl": kl_sum.detach(), "hits": hits, "count": count})
         return total, stats
 

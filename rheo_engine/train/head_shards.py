@@ -72,8 +72,11 @@ def draft_vocabulary_of(seqs: list[tuple[np.ndarray, int]], V: int, Vd: int) -> 
 
 
 def load_target(path: Path, device: str, dtype: torch.dtype) -> LlamaModel:
+    """The target in float (a GGUF file's quantized matrices dequantized to ``dtype``): the
+    trainer takes gradients through nothing of it, but reads its embedding and lm_head rows."""
     if is_gguf(path):
-        return LlamaModel.from_gguf(read_gguf(path), device=device, dtype=dtype)
+        return LlamaModel.from_gguf(read_gguf(path, quantized=False), device=device, dtype=dtype,
+                                    quantized=False)  # fmt: skip
     return LlamaModel.from_pretrained(path, device=device, dtype=dtype)
 
 
