@@ -11,8 +11,11 @@ Systems (each skipped with a reason when it cannot run here):
   paper's 60/8/10 tree).
 Every system gets the same prompt token ids (the chat template applied once, by the engine's
 tokenizer), the same cap on new tokens, T and seed; a reply ends at EOS. Per prompt the systems
-run back to back in an order rotated by one each prompt. tokens/s = new tokens / wall time of
-the call, prefill included; "vs llama.cpp" is the median over prompts of the paired ratio.
+run back to back in an order rotated by one each prompt. Each system runs each prompt twice: once
+for one new token (the prefill, plus one step) and once for the whole reply. Prefill tokens/s =
+prompt tokens / the first call's wall time; decode tokens/s = (new tokens - 1) / (the whole
+call's wall time - the first's): a long prompt no longer hides the decode gap. "vs llama.cpp" is
+the median over prompts of the paired ratio (decode, and the whole call, prefill included).
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
     print(conditions_line(cond), flush=True)
     gbs, mb = read_bandwidth_gbs(args.threads), weight_bytes(engine) / 1e6
     print(
-        f"# memory floor: {mb:.0f} MB of {engine.target.dtype} weights a token at {gbs:.1f} GB/s "
+        f"# memory floor: {mb:.0f} MB of target weights (as held) a token at {gbs:.1f} GB/s "
         f"read ({args.threads} thread) = {gbs * 1e3 / mb:.1f} tokens/s at most",
         flush=True,
     )
@@ -195,6 +198,8 @@ def run(args: argparse.Namespace) -> dict:
                 shift = done % len(labels)
                 for label in labels[shift:] + labels[:shift]:
                     t0 = time.perf_counter()
+                    systems[label](ids, 1, T, 1000 * done + q)
+                    t1 = time.perf_counter()
                     n = systems[label](ids, args.max_new_tokens, T, 1000 * done + q)
                     records.append(
                         dict(
@@ -202,8 +207,10 @@ def run(args: argparse.Namespace) -> dict:
                             T=T,
                             set=name,
                             q=q,
+                            prompt_tokens=len(ids),
                             tokens=n,
-                            wall_s=time.perf_counter() - t0,
+                            prefill_s=t1 - t0,
+                            wall_s=time.perf_counter() - t1,
                         )
                     )
                 done += 1
@@ -222,10 +229,27 @@ def read_bandwidth_gbs(threads: int, mib: int = 512) -> float:
 
 
 def weight_bytes(engine) -> int:
-    """Bytes of the target's weights a decode step reads (tied embeddings read once: lm_head)."""
+    """Bytes of the target's weights a decode step reads (tied embeddings read once: lm_head);
+    a quantized matrix counts its stored blocks (QuantWeight.nbytes)."""
     t = engine.target
-    layers = sum(w.numel() * w.element_size() for layer in t.layers for w in vars(layer).values())
-    return layers + t.lm_head.numel() * t.lm_head.element_size() + t.norm.numel() * 2
+
+    def nbytes(w) -> int:
+        return int(w.nbytes) if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+
+    layers = sum(nbytes(w) for layer in t.layers for w in vars(layer).values())
+    return layers + nbytes(t.lm_head) + t.norm.numel() * 2
+
+
+def paired_median(rs: list[dict], by: dict, base: str, rate) -> float:
+    """Median over prompts of rate(record) / rate(the base's record of the same prompt)."""
+    ratios = [rate(r) / rate(b) for r in rs
+              if rate(b := by[(base, r["set"], r["q"])]) > 0]  # fmt: skip
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def decode_rate(r: dict) -> float:
+    """New tokens after the first, per second of the whole call beyond the one-token call."""
+    return (r["tokens"] - 1) / max(r["wall_s"] - r["prefill_s"], 1e-9) if r["tokens"] > 1 else 0.0
 
 
 def table(records: list[dict], labels: list[str], temperatures: list[float]) -> str:
@@ -237,15 +261,16 @@ def table(records: list[dict], labels: list[str], temperatures: list[float]) -> 
         for label in labels:
             rs = [r for r in mine if r["label"] == label]
             tokens, wall = sum(r["tokens"] for r in rs), sum(r["wall_s"] for r in rs)
-            ratios = [
-                (r["tokens"] / r["wall_s"]) / (b["tokens"] / b["wall_s"])
-                for r in rs
-                if (b := by[(base, r["set"], r["q"])])["tokens"]
-            ]
-            ratio = statistics.median(ratios) if ratios else float("nan")
-            rows.append([f"{T:g}", label, str(tokens), f"{tokens / wall:.1f}", f"{ratio:.2f}x"])
+            decode = sum(r["tokens"] - 1 for r in rs) / max(
+                sum(r["wall_s"] - r["prefill_s"] for r in rs), 1e-9)
+            prefill = sum(r["prompt_tokens"] for r in rs) / sum(r["prefill_s"] for r in rs)
+            whole = paired_median(rs, by, base, lambda r: r["tokens"] / r["wall_s"])
+            dec = paired_median(rs, by, base, decode_rate)
+            rows.append([f"{T:g}", label, str(tokens), f"{tokens / wall:.1f}", f"{decode:.1f}",
+                         f"{prefill:.0f}", f"{dec:.2f}x", f"{whole:.2f}x"])  # fmt: skip
     return markdown_table(
-        ["T", "system", "new tokens", "tokens/s", f"vs {base} (median paired)"], rows
+        ["T", "system", "new tokens", "tokens/s", "decode tokens/s", "prefill tokens/s",
+         f"decode vs {base}", f"whole call vs {base}"], rows  # fmt: skip
     )
 
 
