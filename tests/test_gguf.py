@@ -75,7 +75,8 @@ def _logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
 def test_written_gguf_logits_equal_the_dequantized_weights(files, weights, qtype):
-    model = LlamaModel.from_pretrained(files[qtype], dtype=torch.float32)
+    # quantized=False: the reader's dequantization (tests/test_quant_loading.py runs them kept)
+    model = LlamaModel.from_pretrained(files[qtype], dtype=torch.float32, quantized=False)
     ref = LlamaModel.from_weights(
         ModelConfig.from_dict(CFG), dequantized_reference(weights, CFG, qtype), dtype=torch.float32
     )
@@ -148,7 +149,8 @@ def test_convert_gguf_writes_an_hf_directory(files, tmp_path):
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # model.safetensors was 0600
     ids = [1, 9, 99, 999]
     a = _logits(LlamaModel.from_pretrained(out), ids)
-    b = _logits(LlamaModel.from_pretrained(files["Q8_0"], dtype=torch.float32), ids)
+    q8 = LlamaModel.from_pretrained(files["Q8_0"], dtype=torch.float32, quantized=False)
+    b = _logits(q8, ids)
     assert torch.equal(a, b)
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -196,7 +198,7 @@ def test_smollm2_tokenizer_and_logits_equal_transformers(smollm2, monkeypatch):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    engine = Engine.from_pretrained(smollm2, None, dtype=torch.float32)
+    engine = Engine.from_pretrained(smollm2, None, dtype=torch.float32, quantized=False)
     tok = engine.tokenizer
     assert (tok.bos_id, tok.eos_ids, engine.eos_ids) == (1, (2,), (2,))
     for text in SMOL_TEXTS:

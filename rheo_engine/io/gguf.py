@@ -12,8 +12,8 @@
 The file is parsed by `gguf` (llama.cpp's own Python reader). Q8_0, Q4_0 and Q4_1 tensors stay
 quantized (rheo_engine.models.quant.QuantWeight: the kernels run them as stored); every other
 type (F16, BF16, the K-quants, Q5_x) is dequantized by `gguf.quants` to float32, and so is every
-tensor with ``quantized=False`` (head training, the converter). What this module adds is what llama.cpp's converter did to an HF checkpoint,
-undone (docs/gguf.md):
+tensor with ``quantized=False`` (head training reads the float target so). What this module adds is what
+llama.cpp's converter did to an HF checkpoint, undone (docs/gguf.md):
 - tensor names: ``blk.{i}.attn_q.weight`` is ``model.layers.{i}.self_attn.q_proj.weight``, ...;
 - q and k projections: the converter permutes each head's output rows from HF's rotate-half
   layout to GGML's interleaved-pairs RoPE layout; ``_unpermute`` moves the rows back;
@@ -406,12 +406,12 @@ def _tensors(reader, path: Path, config: dict[str, Any], quantized: bool = True)
 
 def _formats(kept: dict[str, int], dequantized: dict[str, int]) -> str:
     """"kept quantized: Q4_1 x210, Q8_0 x1; dequantized: F32 x61" (norms are F32 anyway)."""
+
     def part(counts: dict[str, int]) -> str:
         return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
-    return "; ".join(
-        f"{label}: {part(c)}" for label, c in (("kept quantized", kept), ("dequantized", dequantized)) if c
-    )
+    labels = (("kept quantized", kept), ("dequantized", dequantized))
+    return "; ".join(f"{label}: {part(c)}" for label, c in labels if c)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -124,8 +124,10 @@ class Engine:
         threads: int | None = None,
         tensor_parallel: int = 1,
         tp_check: bool | None = None,
+        quantized: bool = True,
+        quantize: str | None = None,
     ) -> Engine:
-        """Load a target (an HF Llama directory, or a llama ``.gguf`` file, dequantized) and an
+        """Load a target (an HF Llama directory, or a llama ``.gguf`` file) and an
         EAGLE-3 head directory (None: no drafting), or a named ``pair`` (rheo_engine.runtime.pairs:
         "default", "smollm2").
 
@@ -147,8 +149,18 @@ class Engine:
         head and threads // N CPU threads, on cuda:0..N-1 (NCCL) or the CPU (gloo). The Engine
         returned is rank 0's; every call on it runs on all ranks. ``tp_check`` (None: the
         RHEO_TP_CHECK environment variable) compares every step's tokens across ranks.
+
+        A GGUF target's Q8_0 / Q4_0 / Q4_1 tensors stay quantized (models/quant.py; the
+        kernels run them as stored) unless ``quantized=False`` (or tensor parallelism), other
+        types are dequantized; ``engine.target.weight_formats`` says which. ``quantize="q8_0"``
+        quantizes a float target's matrices to Q8_0 at load (not with tensor parallelism).
         """
         device = _check_device(device)
+        if quantize is not None and tensor_parallel > 1:
+            raise ValueError(
+                f"quantize={quantize!r} does not run with tensor_parallel={tensor_parallel} "
+                "(the ranks cut float tensors); drop one"
+            )
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
         ):
@@ -180,7 +192,7 @@ class Engine:
                 tensor_parallel, target, device, threads, check,
             )  # fmt: skip
         else:
-            engine = _load(None, device, threads, target, draft, dtype)
+            engine = _load(None, device, threads, target, draft, dtype, quantized, quantize)
         engine.pair = pair or ("default" if Path(target) == DEFAULT_PAIR / "target" else None)
         engine.source = str(target)
         return engine
@@ -396,16 +408,16 @@ def _head_defaults(defaults: GenerationDefaults | None, draft) -> GenerationDefa
 
 
 def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target, draft,
-          dtype) -> Engine:  # fmt: skip
+          dtype, quantized: bool = True, quantize: str | None = None) -> Engine:  # fmt: skip
     """One process's Engine: the whole target, or (``tp``) this rank's part of it; the head
     whole. CPU threads: ``threads`` (None: default_threads), split over the ranks."""
     if is_gguf(target):
-        ckpt = read_gguf(target)
-        model = LlamaModel.from_gguf(ckpt, device=device, dtype=dtype, tp=tp)
+        ckpt = read_gguf(target, quantized=quantized and tp is None)
+        model = LlamaModel.from_gguf(ckpt, device, dtype, tp, quantized, quantize)
         tokenizer, defaults = ckpt.load_tokenizer()
         del ckpt  # the float32 copy of every weight
     else:
-        model = LlamaModel.from_pretrained(target, device=device, dtype=dtype, tp=tp)
+        model = LlamaModel.from_pretrained(target, device, dtype, tp, quantized, quantize)
         tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
     defaults = _head_defaults(defaults, draft)
     # The head in the target's dtype unless told (None: the same), as a dtype or its name.
