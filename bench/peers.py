@@ -60,7 +60,8 @@ def llama_cpp_runners(gguf: Path, threads: int, context: int) -> dict[str, Any]:
     except ImportError as e:
         print(f"# llama.cpp skipped: llama-cpp-python is not installed ({e}); docs/benchmarks.md 'Peers'")
         return {}
-    print(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}")
+    print(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}; system line: "
+          f"{llama_cpp.llama_print_system_info().decode().strip()}")  # fmt: skip
     common = dict(
         model_path=str(gguf),
         n_ctx=context,
