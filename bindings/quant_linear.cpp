@@ -76,6 +76,8 @@ void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_
   const int64_t n = x.size(0), in = x.size(1), nb = in / kQuantBlock;
   const int64_t panels = (out + kQuantPanel - 1) / kQuantPanel;
   RHEO_CHECK(out >= 0, "out must be >= 0, got ", out);
+  RHEO_CHECK(in % kQuantBlock == 0, "x must have in % 32 == 0 (Q8 blocks of 32 columns), got in=",
+             in, "; quantized weights need a multiple of 32 input features");
   check_buffer(w, "w", at::kByte, {panels, nb, quant_record_bytes(t)},
                "[ceil(out / 16), in / 32, record bytes] (packed by rheo_engine.models.quant)");
   check_buffer(y, "y", x.scalar_type(), {n, out}, "[n, out]");
@@ -105,7 +107,8 @@ void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_
     return;
   }
   quantize_rows_q8_cpu(r);
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, nb * quant_record_bytes(t)));
+  const int64_t panel_bytes = std::max<int64_t>(1, nb * quant_record_bytes(t));
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / panel_bytes);
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     QuantLinearArgs part = a;
     part.p_begin = begin, part.p_end = end;

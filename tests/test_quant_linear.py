@@ -1,0 +1,164 @@
+"""The quantized linear kernel (csrc/include/rheo/quant_linear.h) and QuantWeight's packing.
+
+Truth: x quantized to Q8 blocks by the header's rule (checked here against a plain-torch copy of
+it), then y = sum over blocks of (d_w * xd) * isum (+ m_w * xm) in float64 from the dequantized
+weights: the kernel's float32 sums must be within their rounding of it. Then the invariances the
+engine relies on: every CPU path (RHEO_CPU_ISA levels), 1 or 2 threads and any row count give
+the same bits, row i of a batch equals row i alone. The CUDA twin is checked against this CPU
+kernel in tests/cuda_emu (suite quant_linear).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_isa import LEVELS, assert_same_bits, dispatch, require
+
+from rheo_engine.models.quant import QuantWeight, quantize_q8_0, record_bytes
+from rheo_engine.spec import kernels
+
+QTYPES = ["q8_0", "q4_0", "q4_1"]
+GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def random_blocks(qtype: str, out: int, in_: int, seed: int) -> torch.Tensor:
+    """GGUF blocks [out, in/32, bytes] with every code value and fp16 scales (and mins) of both
+    signs around 0.01, as a quantized checkpoint's."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bb = in_ // 32, GGUF_BYTES[qtype]
+    raw = torch.randint(0, 256, (out, nb, bb), dtype=torch.uint8, generator=g)
+    heads = 2 if qtype == "q4_1" else 1
+    scales = (torch.randn(out, nb, heads, generator=g) * 0.01).to(torch.float16)
+    raw[..., : 2 * heads] = scales.view(torch.uint8).reshape(out, nb, 2 * heads)
+    return raw
+
+
+def weight(qtype: str, out: int, in_: int, seed: int = 0) -> QuantWeight:
+    return QuantWeight.from_blocks(qtype, random_blocks(qtype, out, in_, seed), (out, in_))
+
+
+def reference_q8(x: torch.Tensor):
+    """The header's activation rule in torch: amax / 127, codes rounded to nearest even."""
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv).clamp(-127, 127)  # torch.round: ties to even
+    d = (amax / 127.0).squeeze(-1)
+    s = q.sum(-1).to(torch.int32)
+    return q.to(torch.int8).reshape(x.shape), d, s, d * s.float()
+
+
+def reference_y(w: QuantWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, sum of |terms|) in float64 from the dequantized W and the kernel's Q8 rows of x."""
+    xq, xd, _, _ = kernels.quantize_rows_q8(x)
+    xdq = (xq.double().reshape(x.shape[0], -1, 32) * xd.double()[..., None]).reshape(x.shape)
+    wd = w.dequantize(torch.float32).double()
+    return xdq @ wd.T, xdq.abs() @ wd.abs().T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_follows_the_rule(dtype):
+    x = (torch.randn(7, 96) * 3).to(dtype)
+    x[2, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    x[3, 5] = 1e-30  # a tiny value beside normal ones
+    got = kernels.quantize_rows_q8(x)
+    want = reference_q8(x)
+    for name, a, b in zip(("xq", "xd", "xs", "xm"), got, want, strict=True):
+        assert torch.equal(a, b), name
+    assert int(got[0].abs().max()) == 127
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_equals_the_q8_reference_within_float32_rounding(qtype):
+    w = weight(qtype, 50, 192, seed=1)  # 50 rows: a padded last panel
+    x = torch.randn(9, 192)
+    y = kernels.quant_linear(x, w.packed, qtype, 50).double()
+    ref, size = reference_y(w, x)
+    # float32 sums of 6 blocks + their products: a few ulps of the sum of |terms| at most
+    bound = 16 * 2.0**-24 * size + 1e-30
+    assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / size).max()
+    # and the plain float matmul is near: the error of quantizing x alone (Q8: ~1% of |y|)
+    plain = x.double() @ w.dequantize().double().T
+    assert (y - plain).abs().max() < 0.02 * plain.abs().max()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packing_round_trips_and_rows_dequantize_as_gguf(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_blocks(qtype, 37, 64, seed=2)
+    w = QuantWeight.from_blocks(qtype, raw, (37, 64))
+    assert w.packed.shape == (3, 2, record_bytes(qtype))
+    assert torch.equal(w.blocks(), raw)
+    ref = dequantize(raw.numpy(), GGMLQuantizationType[qtype.upper()]).reshape(37, 64)
+    assert torch.equal(w.dequantize(torch.float32), torch.from_numpy(ref))
+    ids = torch.tensor([[36, 0], [17, 17]])
+    assert torch.equal(w.rows(ids, torch.float32), torch.from_numpy(ref)[ids])
+    both = QuantWeight.cat([w, QuantWeight.from_blocks(qtype, raw[:16], (16, 64))])
+    assert torch.equal(both.dequantize(), torch.cat([w.dequantize(), w.dequantize()[:16]]))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_every_row_count_gives_each_row_the_bits_it_gets_alone(qtype):
+    w = weight(qtype, 64, 128, seed=3)
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    alone = torch.cat([kernels.quant_linear(x[i : i + 1], w.packed, qtype, 64) for i in range(40)])
+    for n in range(1, 41):
+        assert_same_bits(alone[:n], kernels.quant_linear(x[:n], w.packed, qtype, 64), f"n={n}")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_one_and_two_threads_give_the_same_bits(qtype):
+    w = weight(qtype, 1000, 576, seed=4)  # 63 panels: threads split them unevenly
+    x = torch.randn(5, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quant_linear(x, w.packed, qtype, 1000)
+        torch.set_num_threads(2)
+        two = kernels.quant_linear(x, w.packed, qtype, 1000)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_bits(one, two, "threads")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_every_cpu_path_gives_the_same_bits(level, qtype):
+    require(level)
+    w = weight(qtype, 96, 320, seed=5)
+    for n in (1, 3, 4, 8, 13, 32):
+        x = torch.randn(n, 320).to(torch.bfloat16)
+        with dispatch("default"):
+            base = kernels.quant_linear(x, w.packed, qtype, 96)
+        with dispatch(level):
+            other = kernels.quant_linear(x, w.packed, qtype, 96)
+        assert_same_bits(base, other, f"{level} n={n}")
+
+
+def test_quantize_q8_0_is_llama_cpp_rule():
+    w = torch.randn(20, 64)
+    w[3, :32] = 0
+    q = quantize_q8_0(w, torch.float32)
+    raw = q.blocks()
+    d = raw[..., :2].contiguous().view(torch.float16).float()  # [20, 2, 1]
+    codes = raw[..., 2:].contiguous().view(torch.int8).float()  # [20, 2, 32]
+    amax = w.reshape(20, 2, 32).abs().amax(-1, keepdim=True)
+    assert torch.equal(d, (amax / 127).half().float())
+    v = w.reshape(20, 2, 32) * torch.where(amax != 0, 127 / amax, 0 * amax)
+    assert (codes - v).abs().max() <= 0.5 and codes.abs().max() == 127
+    assert (q.dequantize() - w).abs().max() <= amax.max() / 127
+
+
+def test_bad_inputs_fail_in_one_line():
+    w = weight("q4_1", 32, 64)
+    with pytest.raises(ValueError, match="in % 32 == 0"):
+        kernels.quant_linear(torch.randn(2, 48), w.packed, "q4_1", 32)
+    with pytest.raises(ValueError, match=r"w must be \[ceil\(out / 16\)"):
+        kernels.quant_linear(torch.randn(2, 64), w.packed, "q8_0", 32)
+    with pytest.raises(ValueError, match="qtype='q5_0'"):
+        kernels.quant_linear(torch.randn(2, 64), w.packed, "q5_0", 32)
+    with pytest.raises(ValueError, match=r"has 1280 bytes .* got 1279 .* re-download") as e:
+        QuantWeight.from_blocks("q4_1", torch.zeros(1279, dtype=torch.uint8), (32, 64), "t")
+    assert "\n" not in str(e.value)
