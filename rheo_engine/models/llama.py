@@ -417,7 +417,8 @@ class LlamaModel:
                 pad = lm_head.new_zeros(per - lm_head.shape[0], lm_head.shape[1])
                 lm_head = torch.cat([lm_head, pad])
         model = cls(cfg, embed, layers, w("model.norm.weight"), lm_head, tp)
-        model.weight_formats = ", ".join(f"{k} x{n}" for k, n in counts.items())
+        kinds = sorted(counts, key=lambda k: (not k.startswith("Q"), k))  # quantized first
+        model.weight_formats = ", ".join(f"{k} x{counts[k]}" for k in kinds)
         return model
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:

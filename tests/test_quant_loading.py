@@ -1,0 +1,155 @@
+"""Quantized targets end to end (models/quant.py, io/gguf.py, LlamaModel.from_gguf / from_weights).
+
+- SmolLM2-135M-Instruct's Q4_1 file loads with its Q4_1 / Q8_0 tensors kept quantized, in at most
+  1.2x the file's bytes; its logits stay near the dequantized model's (the figures are printed:
+  pytest -s); greedy decoding by every method equals greedy `ar` token for token, and a batch
+  equals single calls.
+- ``quantized=False`` gives the dequantized float model (head training loads it so).
+- A GGUF file whose quantized tensor has the wrong byte count fails in one line.
+- ``quantize="q8_0"`` on the default pair: speculation stays lossless with respect to the
+  quantized target (G-test of the first two tokens against its exact law, with the negative
+  control at a wrong temperature) and greedy methods equal `ar`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_engine import first_two_law, law_p_value, sample_first_two
+
+from rheo_engine.io.gguf import read_gguf
+from rheo_engine.models.llama import LlamaModel, resident_weight_bytes
+from rheo_engine.models.quant import QuantWeight
+from rheo_engine.runtime.engine import DEFAULT_PAIR, Engine
+from rheo_engine.runtime.pairs import resolve_pair, smollm2_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUESTION = "Write a Python function is_prime(n) that returns True when n is prime."
+TREE = dict(tree="fixed", topk=4, depth=4, total_tokens=12)
+
+
+def _smollm2():
+    try:
+        resolve_pair("smollm2")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def smollm2_q() -> Engine:
+    return Engine.from_pretrained(pair="smollm2")  # bf16, Q4_1 / Q8_0 kept quantized
+
+
+def test_smollm2_q4_1_stays_quantized_within_1_2x_the_file():
+    path = _smollm2()
+    model = LlamaModel.from_gguf(read_gguf(path))
+    layer = model.layers[0]
+    assert all(isinstance(w, QuantWeight) and w.qtype == "q4_1"
+               for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))  # fmt: skip
+    assert isinstance(model.embed_tokens, QuantWeight) and model.embed_tokens.qtype == "q8_0"
+    assert model.lm_head is model.embed_tokens  # tied: the projection runs on the Q8_0 table
+    assert model.weight_formats == "kept quantized: Q4_1 x210, Q8_0 x1; dequantized: F32 x61"
+    ratio = resident_weight_bytes(model) / os.path.getsize(path)
+    print(f"resident weights / file size = {ratio:.3f}")
+    assert ratio <= 1.2
+    dense = LlamaModel.from_gguf(read_gguf(path), quantized=False)
+    assert not isinstance(dense.layers[0].w_qkv, QuantWeight)
+    assert resident_weight_bytes(dense) / os.path.getsize(path) > 2.5
+    # the embedding rows equal the dequantized model's (same float32 values, one rounding)
+    ids = torch.tensor([[0, 17, 49151]])
+    assert torch.equal(model.embed_tokens[ids], dense.embed_tokens[ids])
+    _logit_error(model, dense)
+
+
+def _logit_error(model: LlamaModel, dense: LlamaModel) -> None:
+    """Logits of the kept-quantized model against the dequantized bf16 one over 48 positions of
+    a chat prompt: printed (max abs, relative to the largest |logit|, top-1 agreement)."""
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 22107, 28, 1]
+    ids = (ids * 4)[:48]
+    pos = torch.arange(len(ids))[None]
+    with torch.no_grad():
+        lq, _ = model.forward(torch.tensor([ids]), pos, model.new_cache(64))
+        ld, _ = dense.forward(torch.tensor([ids]), pos, dense.new_cache(64))
+    err = (lq - ld).abs().max().item()
+    rel = err / ld.abs().max().item()
+    top1 = (lq.argmax(-1) == ld.argmax(-1)).float().mean().item()
+    print(f"SmolLM2 Q4_1 kept vs dequantized bf16: max |dlogit| {err:.3f}, relative {rel:.4f}, "
+          f"top-1 agreement {top1:.3f} over {len(ids)} positions")  # fmt: skip
+    assert rel < 0.15 and top1 >= 0.75
+
+
+def test_smollm2_quantized_greedy_methods_equal_ar(smollm2_q):
+    want = smollm2_q.generate(QUESTION, 32, method="ar", temperature=0, chat=True).token_ids
+    for method in ("topk", "rrsw", "rheo"):
+        gen = smollm2_q.generate(QUESTION, 32, method=method, temperature=0, chat=True, **TREE)
+        assert gen.token_ids == want, method
+        assert gen.mean_accept_length > 1.3, (method, gen.mean_accept_length)
+
+
+def test_smollm2_quantized_batch_equals_single_calls(smollm2_q):
+    prompts = ["Once upon a time", "def fib(n):", "The capital of France is"]
+    ids = [smollm2_q.tokenizer.encode(p) for p in prompts]
+    for method in ("ar", "rheo"):
+        tree = {} if method == "ar" else TREE
+        alone = [smollm2_q.generate(i, 16, method=method, temperature=0, **tree).token_ids
+                 for i in ids]  # fmt: skip
+        decoder = smollm2_q.decoder(max_batch=3, max_len=64)
+        reqs = [smollm2_q.request(i, 16, method=method, temperature=0, ignore_eos=True, **tree)
+                for i in ids]  # fmt: skip
+        together = [g.token_ids for g in decoder.run(reqs)]
+        assert together == [a[: len(t)] for a, t in zip(alone, together, strict=True)], method
+        assert all(len(t) == 16 or len(t) == len(a) for a, t in zip(alone, together, strict=True))
+
+
+def test_a_quantized_tensor_with_the_wrong_byte_count_fails_in_one_line(tmp_path):
+    """The reader sizes each tensor from its declared shape (a truncated file fails there, see
+    test_gguf); the packer checks the bytes it is handed against the shape once more."""
+    import gguf
+
+    path = _smollm2()
+    t = next(t for t in gguf.GGUFReader(path, "r").tensors if t.name == "blk.0.attn_q.weight")
+    short = np.asarray(t.data).reshape(-1)[:-20]  # one Q4_1 block too few
+    with pytest.raises(ValueError) as info:
+        QuantWeight.from_blocks("q4_1", short, (576, 576), f"{path}: tensor {t.name}")
+    msg = str(info.value)
+    assert "\n" not in msg and t.name in msg and "207340" in msg and "re-download" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def engine_q8() -> Engine:
+    return Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft",
+                                  dtype=torch.float32, quantize="q8_0")  # fmt: skip
+
+
+def test_quantize_q8_0_keeps_what_has_whole_blocks(engine_q8):
+    layer = engine_q8.target.layers[0]
+    assert isinstance(layer.w_qkv, QuantWeight) and layer.w_qkv.qtype == "q8_0"
+    assert isinstance(engine_q8.target.embed_tokens, QuantWeight)
+    assert not isinstance(layer.w_down, QuantWeight)  # in = 688 is not whole 32-column blocks
+    assert engine_q8.target.weight_formats == "Q8_0 x25, float32 x25"
+
+
+def test_quantized_default_pair_greedy_methods_equal_ar(engine_q8):
+    want = engine_q8.generate("def quicksort(xs):", 40, method="ar", temperature=0).token_ids
+    for method in ("topk", "rrsw", "rheo"):
+        gen = engine_q8.generate("def quicksort(xs):", 40, method=method, temperature=0, **TREE)
+        assert gen.token_ids == want, method
+
+
+G_RUNS, G_TREE = 300, dict(topk=4, depth=2, total_tokens=10, tree="fixed")
+
+
+def test_speculation_is_lossless_for_the_quantized_target(engine_q8):
+    """rheo's first two tokens at T = 1 follow the exact law of the quantized target, and the
+    same samples fail against the law at T = 0.85 (the test can see an error)."""
+    ids = engine_q8.tokenizer.encode("for i in")
+    pairs, accepts = sample_first_two(engine_q8, ids, "rheo", 1.0, 1.0, G_RUNS, G_TREE)
+    p_value = law_p_value(*first_two_law(engine_q8, ids, 1.0, 1.0, G_RUNS), pairs)
+    wrong = law_p_value(*first_two_law(engine_q8, ids, 0.85, 1.0, G_RUNS), pairs)
+    print(f"quantized target: p = {p_value:.3g}; against T = 0.85: p = {wrong:.3g}")
+    assert p_value > 1e-4 and wrong < 1e-5
+    assert sum(a > 1 for a in accepts) > G_RUNS // 4, "drafts rarely accepted: weak test"
