@@ -251,6 +251,15 @@ def parser(prog: str = PROG, description: str | None = None,
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     p.add_argument(
+        "--quantize", choices=["q8_0"], default=None,
+        help="quantize a float target's matrices to Q8_0 at load (llama.cpp's blocks; the "
+        "quantized kernels run them)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dequantize", action="store_true",
+        help="dequantize a GGUF target's Q8_0/Q4_0/Q4_1 tensors (by default they stay quantized)",
+    )  # fmt: skip
+    p.add_argument(
         "--quiet", action="store_true",
         help="no progress on stderr while the model loads or the engine measures this machine",
     )  # fmt: skip
@@ -604,7 +613,11 @@ def load(args: argparse.Namespace) -> Engine:
         engine = Engine.from_pretrained(
             args.target, args.draft, args.device, dtype, args.pair, args.threads,
             tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,
+            quantized=not args.dequantize, quantize=args.quantize,
         )  # fmt: skip
+    formats = engine.target.weight_formats  # a GGUF file's, or what --quantize made
+    if ("Q" in formats or "dequantized" in formats) and not args.quiet:
+        print(f"weights: {formats}", file=sys.stderr)
     context = engine.target.cfg.max_position_embeddings
     if args.max_new_tokens >= context:
         raise BadInput(

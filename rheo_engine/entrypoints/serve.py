@@ -289,6 +289,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="the target's dtype (default: its checkpoint's)")  # fmt: skip
+    p.add_argument("--quantize", choices=["q8_0"], default=None,
+                   help="quantize a float target's matrices to Q8_0 at load")  # fmt: skip
+    p.add_argument("--dequantize", action="store_true",
+                   help="dequantize a GGUF target's Q8_0/Q4_0/Q4_1 tensors (kept by default)",
+                   )  # fmt: skip
     p.add_argument("--threads", type=int,
                    help="torch CPU threads (default: 1 for targets below 1B parameters, else "
                    "torch's default), as in rheo_engine.generate")  # fmt: skip
@@ -336,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype = None if args.dtype is None else _DTYPES[args.dtype]
         engine = Engine.from_pretrained(
             args.target, args.draft, args.device, dtype, args.pair, args.threads,
-            tensor_parallel=args.tensor_parallel,
+            tensor_parallel=args.tensor_parallel, quantized=not args.dequantize,
+            quantize=args.quantize,
         )  # fmt: skip
         if args.chat_template is not None:  # an unknown name fails here, not at the first chat
             engine.tokenizer.render_chat(["hi"], args.chat_template)
