@@ -1,0 +1,118 @@
+"""Benchmark the quantized linear layer: kernels.quant_linear (Q8_0, Q4_1) against the bf16
+skinny kernel and torch's bf16 F.linear, 1 to 32 rows, on SmolLM2-135M's matrices.
+
+Checks the kernel against x @ dequantized(W)^T first (within the error of quantizing x to Q8),
+then times each kernel paired with F.linear (common.Timer.pair: interleaved, L2 flushed before
+each call, medians). Prints one markdown row per (matrix, rows): the µs of each, each one's
+speed-up over F.linear, the Q4_1 kernel's t(n)/t(1) and the GB/s of W it read.
+
+``--e2e`` instead runs SmolLM2's `ar` decoding on the Q4_1 file kept quantized against the same
+file dequantized to bf16 (two engines, generations interleaved, median tokens/s of each).
+
+    python bench/bench_quant_linear.py [--rows 1,2,4,8,16,32] [--threads 1]
+    python bench/bench_quant_linear.py --e2e [--tokens 64] [--pairs 5]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from common import Timer, commit_id
+from inputs import ArgumentParser
+
+from rheo_engine.machine import isa_line
+from rheo_engine.models.quant import quantize_q8_0
+from rheo_engine.spec import kernels
+
+# SmolLM2-135M (the smollm2 pair's target): hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64.
+SMOLLM2 = [("qkv", (960, 576)), ("o", (576, 576)), ("gate_up", (3072, 576)),
+           ("down", (576, 1536)), ("lm_head", (49152, 576))]  # fmt: skip
+
+
+def q4_1_of(w: torch.Tensor):
+    """A Q4_1 QuantWeight of w, by llama.cpp's quantize_row_q4_1 rule (min and 15 steps)."""
+    from rheo_engine.models.quant import QuantWeight
+
+    out, in_ = w.shape
+    x = w.float().reshape(out, in_ // 32, 32)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = ((x - lo) * inv + 0.5).floor().clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    head = torch.cat([d, lo], -1).to(torch.float16).view(torch.uint8)
+    return QuantWeight.from_blocks("q4_1", torch.cat([head, qs], -1), (out, in_))
+
+
+def kernels_bench(rows: list[int], threads: int) -> None:
+    torch.set_num_threads(threads)
+    timer = Timer("cpu", flush=True, budget_s=0.6)
+    print(f"# {isa_line()}, {threads} thread(s), commit {commit_id()}")
+    print("| matrix | n | torch bf16 µs | skinny bf16 µs | Q8_0 µs | Q4_1 µs | skinny x | "
+          "Q8_0 x | Q4_1 x | Q4_1 t(n)/t(1) | Q4_1 GB/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (out, in_) in SMOLLM2:
+        w = (torch.randn(out, in_) * 0.05).to(torch.bfloat16)
+        q8, q4 = quantize_q8_0(w), q4_1_of(w)
+        t1 = None
+        for n in rows:
+            x = torch.randn(n, in_).to(torch.bfloat16)
+            ref = F.linear(x.float(), q4.dequantize())
+            got = q4.matmul(x).float()
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            if not err < 0.03:
+                raise SystemExit(f"{name} n={n}: Q4_1 kernel off by {err:.3g} of max |y|")
+            th, tq4 = timer.pair(lambda: F.linear(x, w), lambda: q4.matmul(x))
+            th2, tq8 = timer.pair(lambda: F.linear(x, w), lambda: q8.matmul(x))
+            th3, tsk = timer.pair(lambda: F.linear(x, w), lambda: kernels.skinny_linear(x, w))
+            torch_us = statistics.median([th, th2, th3])
+            t1 = tq4 if t1 is None else t1
+            gbs = q4.nbytes / (tq4 * 1e-6) / 1e9
+            print(f"| {name} {out}x{in_} | {n} | {torch_us:.1f} | {tsk:.1f} | {tq8:.1f} | "
+                  f"{tq4:.1f} | {th3 / tsk:.2f} | {th2 / tq8:.2f} | {th / tq4:.2f} | "
+                  f"{tq4 / t1:.2f} | {gbs:.1f} |")  # fmt: skip
+
+
+def e2e_bench(tokens: int, pairs: int) -> None:
+    from rheo_engine.runtime.engine import Engine
+
+    torch.set_num_threads(1)
+    kept = Engine.from_pretrained(pair="smollm2", threads=1)
+    dense = Engine.from_pretrained(pair="smollm2", threads=1, quantized=False)
+    prompt = "Write a short story about a robot who learns to paint."
+    rates: dict[str, list[float]] = {"Q4_1 kept": [], "bf16 dequantized": []}
+    for i in range(pairs + 1):  # the first pair warms up (first-use measurements)
+        order = [("Q4_1 kept", kept), ("bf16 dequantized", dense)]
+        for label, engine in order if i % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            gen = engine.generate(prompt, tokens, method="ar", temperature=0, chat=True,
+                                  ignore_eos=True)  # fmt: skip
+            dt = time.perf_counter() - t0
+            if i > 0:
+                rates[label].append(len(gen.token_ids) / dt)
+    print(f"# SmolLM2-135M-Instruct Q4_1, ar, T=0, {tokens} tokens, 1 thread, {isa_line()}, "
+          f"commit {commit_id()}")  # fmt: skip
+    a, b = (statistics.median(v) for v in rates.values())
+    print(f"| Q4_1 kept quantized | {a:.1f} tokens/s |\n| bf16 dequantized | {b:.1f} tokens/s |")
+    print(f"| ratio | {a / b:.2f}x |")
+
+
+def main() -> None:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,4,8,16,32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--e2e", action="store_true")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--pairs", type=int, default=5)
+    args = p.parse_args()
+    if args.e2e:
+        e2e_bench(args.tokens, args.pairs)
+    else:
+        kernels_bench([int(r) for r in args.rows.split(",")], args.threads)
+
+
+if __name__ == "__main__":
+    main()
