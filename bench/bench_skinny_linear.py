@@ -1,20 +1,29 @@
-"""Benchmark the skinny linear layer: kernels.skinny_linear against F.linear for few rows.
+"""Benchmark the skinny linear layer: kernels.skinny_linear against F.linear, 1 to 64 rows.
 
 Checks the kernel against x.float() @ w.float().T first, then times each case with
 common.Timer.pair: a warm-up, then paired repeats interleaved (kernel, F.linear, F.linear,
 kernel, ...) with L2 flushed before every call, median of each. Prints one markdown row per
-case: both times, the speedup (F.linear / kernel) and the GB/s of W the kernel read. Shapes: a
-Llama-3.2-1B layer (fused qkv, o, fused gate/up, down) and the default pair's target
-(weights/default/target/config.json), n rows of x.
+case: both times, the speedup (F.linear / kernel), the kernel's t(n)/t(1), the GB/s of W it
+read and the memory floor: the bytes of W over the read bandwidth measured at the start (a
+1-thread sum over 512 MiB). Shapes: a Llama-3.2-1B layer (fused qkv, o, fused gate/up, down),
+the default pair's target (weights/default/target/config.json) and SmolLM2-135M's, n rows of x.
 
-    python bench/bench_skinny_linear.py [--quick] [--rows 1,2,4,8,16,32] [--threads 1,2]
+``--target smollm2|default`` instead times the target's forward over n tree rows after a
+300-token context (LlamaModel.forward, bf16, the kernel for every linear against
+RHEO_LINEAR=torch, interleaved) and prints t(n)/t(1) for each: what a tree costs.
+
+    python bench/bench_skinny_linear.py [--quick] [--rows 1,2,4,8,16,32,64] [--threads 1,2]
                                         [--dtype bfloat16,float32] [--shapes llama1b,default]
     python bench/bench_skinny_linear.py --shapes smollm2 --dtype bfloat16 --threads 1
+    python bench/bench_skinny_linear.py --target smollm2 --rows 1,4,16 --threads 1
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -65,14 +74,71 @@ def check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
         raise SystemExit(f"skinny_linear disagrees with x.float() @ w.float().T for {what}")
 
 
+def read_bandwidth_gb_s() -> float:
+    """GB/s of one thread summing 512 MiB of float32 (median of 5): the floor's bandwidth."""
+    buf = torch.ones(128 * 2**20)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def target_rows(pair: str, rows: list[int], context: int = 300, repeats: int = 15) -> None:
+    """t(n)/t(1) of the target's forward over n tree rows after ``context`` tokens, bf16, the
+    kernel for every linear and RHEO_LINEAR=torch, all interleaved; medians."""
+    from rheo_engine.runtime.engine import Engine
+
+    options = {"pair": "smollm2", "quantized": False} if pair == "smollm2" else {}
+    model = Engine.from_pretrained(dtype=torch.bfloat16, **options).target
+    cache = model.new_cache(context + max(rows) + 1)
+    with torch.no_grad():
+        model.forward(torch.arange(5, 5 + context)[None] % model.cfg.vocab_size,
+                      torch.arange(context)[None], cache)  # fmt: skip
+    cache.advance(context)
+    cases = {}
+    for n in rows:  # a chain of n rows (causal mask): the cost of n tree nodes
+        cases[n] = (torch.arange(7, 7 + n)[None], torch.arange(context, context + n)[None])
+    times: dict[tuple[str, int], list[float]] = {}
+    before = os.environ.get("RHEO_LINEAR")
+    try:
+        for i in range(repeats + 2):
+            for mode in ("skinny", "torch"):
+                os.environ["RHEO_LINEAR"] = mode
+                for n, (tokens, positions) in cases.items():
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        model.forward(tokens, positions, cache)
+                    if i >= 2:
+                        times.setdefault((mode, n), []).append(time.perf_counter() - t0)
+    finally:
+        if before is None:
+            os.environ.pop("RHEO_LINEAR", None)
+        else:
+            os.environ["RHEO_LINEAR"] = before
+    print(f"# target forward over n rows after {context} tokens: {pair}, bf16, "
+          f"threads={torch.get_num_threads()}, cpu={isa_line()}, commit={commit_id()}")  # fmt: skip
+    print("| linear | " + " | ".join(f"n = {n}" for n in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for mode in ("skinny", "torch"):
+        t1 = statistics.median(times[(mode, rows[0])])
+        cells = [f"{t1 * 1e3:.1f} ms"]
+        cells += [f"{statistics.median(times[(mode, n)]) / t1:.2f}" for n in rows[1:]]
+        print(f"| {'kernel (default)' if mode == 'skinny' else 'RHEO_LINEAR=torch'} | "
+              + " | ".join(cells) + " |")  # fmt: skip
+
+
 def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="about 0.1 s per case, not 1 s")
-    parser.add_argument("--rows", default="1,2,4,8,16,32", help="n values, comma-separated")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="n values, comma-separated")
     parser.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
     parser.add_argument("--dtype", default="bfloat16,float32", help="bfloat16 and/or float32")
     parser.add_argument("--shapes", default="llama1b,default",
                         help="llama1b, default and/or smollm2")  # fmt: skip
+    parser.add_argument("--target", choices=["smollm2", "default"],
+                        help="time the target's forward over n tree rows instead")  # fmt: skip
     args = parser.parse_args()
     try:
         rows = [int(v) for v in args.rows.split(",")]
@@ -81,6 +147,9 @@ def main() -> None:
         parser.error(f"--rows and --threads take integers, got {args.rows!r}, {args.threads!r}")
     if min(rows) < 1 or min(threads) < 1:
         parser.error("--rows and --threads must be >= 1")
+    if args.target:
+        torch.set_num_threads(threads[0])
+        return target_rows(args.target, rows)
     dtypes = args.dtype.split(",")
     if not set(dtypes) <= set(DTYPES):
         parser.error(f"--dtype takes {sorted(DTYPES)}, got {args.dtype!r}")
@@ -90,13 +159,16 @@ def main() -> None:
             parser.error(f"--shapes takes llama1b, default and/or smollm2, got {name!r}")
         shapes += {"llama1b": LLAMA_1B, "smollm2": SMOLLM2}.get(name) or default_pair_shapes()
     timer = Timer("cpu", flush=True, budget_s=0.1 if args.quick else 1.0)
+    bandwidth = read_bandwidth_gb_s()
     print(
         f"# skinny_linear bench: cpu={isa_line()} capability="
         f"{torch.backends.cpu.get_cpu_capability()} torch={torch.__version__} "
-        f"build={kernels.build_info()} commit={commit_id()}; L2 flushed before each call"
+        f"build={kernels.build_info()} bf16 dot={kernels.skinny_linear_bf16_dot()} "
+        f"commit={commit_id()}; L2 flushed before each call; read bandwidth "
+        f"{bandwidth:.1f} GB/s (1 thread)"
     )
     columns = ["dtype", "matrix", "W [out, in]", "n", "threads", "F.linear ms", "skinny ms"]
-    columns += ["speedup", "skinny GB/s"]
+    columns += ["speedup", "skinny t(n)/t(1)", "skinny GB/s", "floor ms", "skinny / floor"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     gen = torch.Generator().manual_seed(0)
@@ -106,18 +178,23 @@ def main() -> None:
             w = (torch.randn(out, in_, generator=gen) * in_**-0.5).to(dtype)
             x_all = torch.randn(max(rows), in_, generator=gen).to(dtype)
             check(x_all, w, f"{dtype_name} W [{out}, {in_}], n={max(rows)}")
+            floor_ms = w.numel() * w.element_size() / (bandwidth * 1e9) * 1e3
             for t in threads:
                 torch.set_num_threads(t)
+                one_ms = None
                 for n in rows:
                     x = x_all[:n]
                     skinny_us, torch_us = timer.pair(
                         lambda: kernels.skinny_linear(x, w), lambda: F.linear(x, w)
                     )
                     torch_ms, skinny_ms = torch_us / 1e3, skinny_us / 1e3
+                    one_ms = one_ms or skinny_ms  # rows[0]'s time (n = 1 by default)
                     gb_per_s = w.numel() * w.element_size() / (skinny_ms * 1e-3) / 1e9
                     print(
                         f"| {dtype_name} | {name} | [{out}, {in_}] | {n} | {t} | {torch_ms:.3f} "
-                        f"| {skinny_ms:.3f} | {torch_ms / skinny_ms:.2f} | {gb_per_s:.1f} |",
+                        f"| {skinny_ms:.3f} | {torch_ms / skinny_ms:.2f} | "
+                        f"{skinny_ms / one_ms:.2f} | {gb_per_s:.1f} | {floor_ms:.3f} | "
+                        f"{skinny_ms / floor_ms:.2f} |",
                         flush=True,
                     )
 

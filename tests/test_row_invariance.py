@@ -10,7 +10,9 @@ prompts equals the three single calls (``ar`` and ``rheo``). These failed with t
 rows) torch-or-kernel choice models/linear.py used to make: a tree step ran torch's GEMM on
 its n rows where ``ar`` ran the kernel on one, and the two sum in different orders, so a bf16
 logit moved by an ulp and a near-tie argmax flipped (issue 27 saw 1-3 of 3 prompts differ);
-``test_old_per_rows_choice_breaks_it`` runs that choice again and sees the difference.
+``test_a_tree_row_equals_the_plain_step`` shows it at the logits' bits, where a greedy run
+needs a near-tie to show it: with that choice restored the bits differ, with the kernel they
+do not.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rheo_engine import _C, Engine
+from rheo_engine import Engine
 from rheo_engine.models import linear as linear_mod
 from rheo_engine.spec import kernels
 
@@ -37,11 +39,11 @@ def paths() -> list[tuple[str, bool]]:
             if kernels.set_cpu_isa(level) != level:
                 continue  # the CPU lacks it
             out.append((level, False))
-            if level == "avx512" and _C.set_skinny_linear_bf16_dot(True):
+            if level == "avx512" and kernels.set_skinny_linear_bf16_dot(True):
                 out.append((level, True))
     finally:
         kernels.set_cpu_isa(before)
-        _C.set_skinny_linear_bf16_dot(True)
+        kernels.set_skinny_linear_bf16_dot(True)
     return out
 
 
@@ -49,12 +51,12 @@ def run_on(level: str, dot: bool, threads: int, fn):
     before, before_threads = kernels.cpu_isa(), torch.get_num_threads()
     try:
         kernels.set_cpu_isa(level)
-        _C.set_skinny_linear_bf16_dot(dot)
+        kernels.set_skinny_linear_bf16_dot(dot)
         torch.set_num_threads(threads)
         return fn()
     finally:
         kernels.set_cpu_isa(before)
-        _C.set_skinny_linear_bf16_dot(True)
+        kernels.set_skinny_linear_bf16_dot(True)
         torch.set_num_threads(before_threads)
 
 
@@ -139,7 +141,9 @@ def engines():
         torch.set_num_threads(1)
         out: dict[str, object] = {"default": Engine.from_pretrained(dtype=torch.bfloat16)}
         try:
-            out["smollm2"] = Engine.from_pretrained(pair="smollm2", dtype=torch.bfloat16)
+            out["smollm2"] = Engine.from_pretrained(
+                pair="smollm2", dtype=torch.bfloat16, quantized=False  # bf16: this kernel's case
+            )
         except (FileNotFoundError, ImportError, ValueError) as err:
             out["smollm2"] = f"the smollm2 pair is not installed: {err}"
         yield out
@@ -187,3 +191,43 @@ def test_torch_and_the_kernel_differ_so_a_per_rows_choice_changes_bits():
     alone = torch.cat([kernels.skinny_linear(x[i : i + 1], w) for i in range(16)])
     assert torch.equal(kernels.skinny_linear(x, w), alone)
     assert not torch.equal(F.linear(x, w), alone)  # torch for 16 rows, the kernel for one
+
+
+def step_logits(model, prompt: list[int], rows: list[int], parents: list[int]) -> torch.Tensor:
+    """Logits [n, V] of a tree of ``rows`` (token ids; parents[i] < i, -1 = the prompt) run after
+    the prefilled ``prompt``, as a rheo step verifies a tree (n = 1: an ar step)."""
+    L, n = len(prompt), len(rows)
+    cache = model.new_cache(L + n + 4)
+    model.forward(torch.tensor([prompt]), torch.arange(L)[None], cache)
+    cache.advance(L)
+    mask = torch.zeros(1, n, n, dtype=torch.uint8)
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        mask[0, i] = mask[0, p] if p >= 0 else 0
+        mask[0, i, i] = 1
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    positions = torch.tensor([[L + d for d in depth]])
+    logits, _ = model.forward(torch.tensor([rows]), positions, cache, tree_mask=mask)
+    return logits[0]
+
+
+@pytest.mark.parametrize("pair", ["default", "smollm2"])
+def test_a_tree_row_equals_the_plain_step(engines, pair, monkeypatch):
+    """Row 0 of a 6-row tree has ar's logits for the same token, bit for bit: the equality
+    greedy rheo == ar rests on. With the old per-rows choice (torch from 4 rows) they differ."""
+    model = engine_for(engines, pair).target
+    prompt = list(range(5, 45))  # 40 tokens: the prefill runs many rows
+    rows, parents = [11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 1, 2]
+    alone = step_logits(model, prompt, rows[:1], parents[:1])
+    tree = step_logits(model, prompt, rows, parents)
+    assert torch.equal(tree[0], alone[0])
+    real = linear_mod.linear
+
+    def old_choice(x: torch.Tensor, w) -> torch.Tensor:
+        n = x.numel() // max(x.shape[-1], 1)
+        return F.linear(x, w) if n >= 4 and isinstance(w, torch.Tensor) else real(x, w)
+
+    monkeypatch.setattr("rheo_engine.models.llama.linear", old_choice)
+    alone = step_logits(model, prompt, rows[:1], parents[:1])
+    tree = step_logits(model, prompt, rows, parents)
+    assert not torch.equal(tree[0], alone[0])

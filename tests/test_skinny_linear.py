@@ -143,7 +143,8 @@ def test_rows_that_do_not_flatten_are_refused():
         with pytest.raises(ValueError, match=rf"flatten into one stride.*{strides}.*contiguous"):
             kernels.skinny_linear(x, w)
         # models.linear copies them (F.linear would sum in another order)
-        assert uses_skinny(x, w) and torch.equal(linear(x, w), kernels.skinny_linear(x.contiguous(), w))
+        assert uses_skinny(x, w)
+        assert torch.equal(linear(x, w), kernels.skinny_linear(x.contiguous(), w))
 
 
 @pytest.mark.parametrize(

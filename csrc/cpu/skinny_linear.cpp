@@ -250,8 +250,9 @@ RHEO_AVX512 void block_avx512(const Elem* w_block, int64_t in, const float* cons
 // --- AVX-512-BF16: vdpbf16ps on W and x as stored ---
 
 template <int R, int C>
-RHEO_AVX512_BF16 void block_bf16_dot(const uint16_t* w_block, int64_t in, const uint16_t* const* x_rows,
-                                uint16_t* const* y_rows, int64_t o0) {
+RHEO_AVX512_BF16 void block_bf16_dot(const uint16_t* w_block, int64_t in,
+                                     const uint16_t* const* x_rows, uint16_t* const* y_rows,
+                                     int64_t o0) {
   const int64_t steps = in - in % 32;
   __m512 acc[R][C];
 #pragma GCC unroll 16

@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArg
         for (int r = 0; r < kMaxRows / 2; ++r) {
           const int c = 2 * r + half;
           if (c >= rows) break;
-          acc[r] = skinny::fma<kBf16>(wv, skinny::to_float(x[(i0 + c) * a.x_stride + k + j]), acc[r]);
+          const float xv = skinny::to_float(x[(i0 + c) * a.x_stride + k + j]);
+          acc[r] = skinny::fma<kBf16>(wv, xv, acc[r]);
         }
       }
     }

@@ -100,8 +100,9 @@ RHEO_HOST_DEVICE float dot(const Elem* w_row, const Elem* x_row, int64_t in) {
   for (int64_t k = 0; k < in_steps; k += kStep)
     for (int j = 0; j < kLanes; ++j) {
       if (kBf16) {
-        lane[j] = fma<kBf16>(to_float(w_row[k + 2 * j + 1]), to_float(x_row[k + 2 * j + 1]), lane[j]);
-        lane[j] = fma<kBf16>(to_float(w_row[k + 2 * j]), to_float(x_row[k + 2 * j]), lane[j]);
+        const int64_t odd = k + 2 * j + 1, even = k + 2 * j;
+        lane[j] = fma<kBf16>(to_float(w_row[odd]), to_float(x_row[odd]), lane[j]);
+        lane[j] = fma<kBf16>(to_float(w_row[even]), to_float(x_row[even]), lane[j]);
       } else {
         lane[j] = fma<kBf16>(to_float(w_row[k + j]), to_float(x_row[k + j]), lane[j]);
       }
@@ -109,7 +110,8 @@ RHEO_HOST_DEVICE float dot(const Elem* w_row, const Elem* x_row, int64_t in) {
   for (int s = kLanes / 2; s > 0; s /= 2)
     for (int j = 0; j < s; ++j) lane[j] = add<kBf16>(lane[j], lane[j + s]);
   float sum = lane[0];
-  for (int64_t k = in_steps; k < in; ++k) sum = fma<kBf16>(to_float(w_row[k]), to_float(x_row[k]), sum);
+  for (int64_t k = in_steps; k < in; ++k)
+    sum = fma<kBf16>(to_float(w_row[k]), to_float(x_row[k]), sum);
   return sum;
 }
 
