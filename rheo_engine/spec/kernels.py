@@ -359,9 +359,12 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, out: int) -> torc
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w [out, in]^T, for the few rows of a decode step or tree.
 
-    bf16 or fp32 (x, w and y alike); products and sums in fp32, one rounding to the dtype (bf16:
-    nearest even, as torch rounds a bf16 linear). ``w`` must be contiguous (nn.Linear layout);
-    ``x`` is read in place as rows one stride apart (any contiguous tensor, or a row slice).
+    bf16 or fp32 (x, w and y alike); products and sums in fp32 in one fixed order whatever the
+    row count, threads or ISA path (skinny_linear.h; bf16 flushes denormals as vdpbf16ps does),
+    one rounding to the dtype (bf16: nearest even, as torch rounds a bf16 linear). Any number of
+    rows: the models run every CPU bf16/fp32 linear on it. ``w`` must be contiguous (nn.Linear
+    layout); ``x`` is read in place as rows one stride apart (any contiguous tensor, or a row
+    slice).
     """
     if x.dim() < 1 or w.dim() != 2:
         raise ValueError(
@@ -371,6 +374,19 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = x.new_empty((*x.shape[:-1], w.shape[0]))
     _C.skinny_linear(x, w, y)
     return y
+
+
+def skinny_linear_bf16_dot() -> bool:
+    """Whether bf16 skinny_linear runs on AVX-512-BF16's vdpbf16ps (at the avx512 level): the
+    CPU has it, it is allowed, and its bits passed the one-time self-check against the reference
+    order (csrc/include/rheo/skinny_linear.h). Either way the bits are the same."""
+    return _C.skinny_linear_bf16_dot()
+
+
+def set_skinny_linear_bf16_dot(on: bool) -> bool:
+    """Allow vdpbf16ps or not (tests, benches: the AVX-512F FMA path otherwise); returns
+    skinny_linear_bf16_dot() after the change."""
+    return _C.set_skinny_linear_bf16_dot(on)
 
 
 # --- tree attention -----------------------------------------------------------------------
