@@ -64,7 +64,7 @@ def test_verification_internals(emu_build: Path, seed: str) -> None:
 
 @pytest.mark.parametrize("suite", ["pool_sampler", "proxy_rerank", "tree_attention",
                                    "skinny_linear", "verification", "logit_controls",
-                                   "launch_limits", "quant_linear"])  # fmt: skip
+                                   "launch_limits", "quant_linear", "fused_ops"])  # fmt: skip
 def test_kernel_against_cpu_twin(emu_build: Path, suite: str) -> None:
     out = _run(emu_build, "kernel_tests", "--only", suite, "--seeds", "1,2")
     assert f"{suite}" in out and "ok:" in out, out

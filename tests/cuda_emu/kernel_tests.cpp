@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "rheo/fused_ops.h"
 #include "rheo/logit_controls.h"
 #include "rheo/pool_sampler.h"
 #include "rheo/proxy_rerank.h"
@@ -798,6 +799,127 @@ void tree_attention_tests() {
     tree_attention_case(3, 5, 4, 4, 64, 600, d, true, ++seed, 2, {{0, 0, 0}, {}, 0});  // all P_b = 0
     tree_attention_case(3, 6, 4, 2, 80, 40, d, false, ++seed, 0, {{}, {2, 2, 0}, 5});  // shared slot
     tree_attention_case(2, 4, 6, 3, 48, 900, d, false, ++seed, 0, {{100, 250}, {1, 0}, 2});  // loose bound
+  }
+}
+
+// --- fused layer operators ----------------------------------------------------------------------
+
+struct FusedOut {
+  std::vector<unsigned char> a, b;  // add_rms_norm: residual, normed; rope: q, k; silu: out, -
+  bool operator==(const FusedOut& o) const { return a == o.a && b == o.b; }
+};
+
+// Inputs with a spread of magnitudes (|x| up to ~40: silu's exp near its clamps, norms of rows
+// that differ by 10^3), NaN-free; the same bytes go to both twins. Bitwise: the CUDA twin must
+// give the CPU's bits (fused_ops.h fixes every order and rounding).
+std::vector<unsigned char> fused_input(Rng& rng, int64_t count, DType dtype, float scale) {
+  std::vector<float> x(count);
+  for (auto& v : x) v = rng.normal(scale) * static_cast<float>(std::exp(rng.uniform() * 3.0 - 1.5));
+  return encode(x, dtype);
+}
+
+void add_rms_norm_case(int64_t rows, int64_t hidden, bool with_delta, DType dtype, uint64_t seed) {
+  ++cases;
+  current_case = "add_rms_norm rows=" + std::to_string(rows) + " hidden=" + std::to_string(hidden) +
+                 (with_delta ? " +delta " : " ") + dtype_name(dtype);
+  Rng rng(seed);
+  const int64_t x_stride = hidden + 5, d_stride = hidden + 2;
+  const auto x = fused_input(rng, rows * x_stride, dtype, 3.0f);
+  const auto delta = fused_input(rng, rows * d_stride, dtype, 1.0f);
+  const auto weight = fused_input(rng, hidden, dtype, 1.0f);
+  auto args = [&](FusedOut& o) {
+    rheo::AddRmsNormArgs a;
+    a.x = x.data(), a.weight = weight.data();
+    a.delta = with_delta ? delta.data() : nullptr;
+    a.residual_out = with_delta ? o.a.data() : nullptr;
+    a.normed_out = o.b.data();
+    a.dtype = dtype, a.rows = rows, a.hidden = hidden;
+    a.x_stride = x_stride, a.delta_stride = d_stride, a.eps = 1e-5f;
+    a.row_begin = 0, a.row_end = rows;
+    return a;
+  };
+  const std::vector<unsigned char> poison(rows * hidden * elem_size(dtype), 0xAB);
+  FusedOut cpu{poison, poison};
+  rheo::add_rms_norm_cpu(args(cpu));
+  const FusedOut cuda = run_twice<FusedOut>(
+      [&](FusedOut& o) { return rheo::add_rms_norm_cuda(args(o), nullptr); }, FusedOut{poison, poison});
+  expect_equal(cuda.a, cpu.a, "residual");
+  expect_equal(cuda.b, cpu.b, "normed");
+}
+
+void rope_qk_case(int64_t rows, int64_t H, int64_t Hkv, int64_t D, DType dtype, uint64_t seed) {
+  ++cases;
+  current_case = "rope_qk rows=" + std::to_string(rows) + " H=" + std::to_string(H) + " Hkv=" +
+                 std::to_string(Hkv) + " D=" + std::to_string(D) + " " + dtype_name(dtype);
+  Rng rng(seed);
+  const int64_t stride = (H + 2 * Hkv) * D + 3;
+  const auto qkv = fused_input(rng, rows * stride, dtype, 2.0f);
+  std::vector<float> cos(rows * D / 2), sin(rows * D / 2);
+  for (size_t i = 0; i < cos.size(); ++i) {
+    const double angle = rng.uniform() * 6000.0;
+    cos[i] = static_cast<float>(std::cos(angle)), sin[i] = static_cast<float>(std::sin(angle));
+  }
+  const auto cos_b = encode(cos, dtype), sin_b = encode(sin, dtype);
+  auto args = [&](FusedOut& o) {
+    rheo::RopeQkArgs a;
+    a.qkv = qkv.data(), a.cos = cos_b.data(), a.sin = sin_b.data();
+    a.q_out = o.a.data(), a.k_out = o.b.data();
+    a.dtype = dtype, a.rows = rows, a.H = H, a.Hkv = Hkv, a.D = D, a.qkv_stride = stride;
+    a.row_begin = 0, a.row_end = rows;
+    return a;
+  };
+  const FusedOut fresh{std::vector<unsigned char>(rows * H * D * elem_size(dtype), 0xAB),
+                       std::vector<unsigned char>(rows * Hkv * D * elem_size(dtype), 0xAB)};
+  FusedOut cpu = fresh;
+  rheo::rope_qk_cpu(args(cpu));
+  const FusedOut cuda =
+      run_twice<FusedOut>([&](FusedOut& o) { return rheo::rope_qk_cuda(args(o), nullptr); }, fresh);
+  expect_equal(cuda.a, cpu.a, "q");
+  expect_equal(cuda.b, cpu.b, "k");
+}
+
+void silu_mul_case(int64_t rows, int64_t I, DType dtype, uint64_t seed) {
+  ++cases;
+  current_case = "silu_mul rows=" + std::to_string(rows) + " I=" + std::to_string(I) + " " +
+                 dtype_name(dtype);
+  Rng rng(seed);
+  const int64_t stride = 2 * I + 7;
+  auto gate_up = fused_input(rng, rows * stride, dtype, 8.0f);
+  if (rows * I > 4) {  // exp's clamps and overflow: silu(-120) = -0, silu(-90), silu(110) = 110
+    const std::vector<float> edge = {-120.0f, -90.0f, 110.0f, -0.0f};
+    const auto bytes = encode(edge, dtype);
+    std::memcpy(gate_up.data(), bytes.data(), bytes.size());
+  }
+  auto args = [&](FusedOut& o) {
+    rheo::SiluMulArgs a;
+    a.gate_up = gate_up.data(), a.out = o.a.data();
+    a.dtype = dtype, a.rows = rows, a.I = I, a.gu_stride = stride;
+    a.row_begin = 0, a.row_end = rows;
+    return a;
+  };
+  const FusedOut fresh{std::vector<unsigned char>(rows * I * elem_size(dtype), 0xAB), {}};
+  FusedOut cpu = fresh;
+  rheo::silu_mul_cpu(args(cpu));
+  const FusedOut cuda =
+      run_twice<FusedOut>([&](FusedOut& o) { return rheo::silu_mul_cuda(args(o), nullptr); }, fresh);
+  expect_equal(cuda.a, cpu.a, "out");
+}
+
+void fused_ops_tests() {
+  uint64_t seed = 700;
+  for (const DType d : {DType::kFloat32, DType::kBFloat16}) {
+    add_rms_norm_case(1, 576, true, d, ++seed);   // SmolLM2's decode step
+    add_rms_norm_case(3, 100, false, d, ++seed);  // a tail past the 16-lane blocks, no delta
+    add_rms_norm_case(5, 17, true, d, ++seed);    // fewer columns than lanes
+    rope_qk_case(1, 9, 3, 64, d, ++seed);         // SmolLM2's heads
+    rope_qk_case(4, 4, 1, 12, d, ++seed);
+    silu_mul_case(1, 1536, d, ++seed);
+    silu_mul_case(3, 37, d, ++seed);  // a tail past the 16-lane blocks
+    if (!quick) {
+      add_rms_norm_case(16, 2048, true, d, ++seed);
+      silu_mul_case(16, 1000, d, ++seed);
+      rope_qk_case(16, 32, 8, 128, d, ++seed);
+    }
   }
 }
 
@@ -1607,7 +1729,7 @@ int main(int argc, char** argv) {
       {"tree_attention", tree_attention_tests}, {"skinny_linear", skinny_linear_tests},
       {"verification", verification_tests}, {"logit_controls", logit_controls_tests},
       {"launch_limits", launch_limits_tests},
-      {"quant_linear", quant_linear_tests}};
+      {"quant_linear", quant_linear_tests}, {"fused_ops", fused_ops_tests}};
   for (const auto& [name, fn] : suites) {
     if (!only.empty() && only != name) continue;
     const int before = failures, cases_before = cases;
