@@ -13,9 +13,10 @@
 namespace rheo::bind {
 namespace {
 
-// Threads take output rows in units of kRowBlock (a multiple of the CPU kernel's 4-row tile),
-// and at least kGrainBytes of W per task: a smaller task costs more to hand out than it saves.
-constexpr int64_t kRowBlock = 16;
+// Threads take output rows in units of kRowBlock (a multiple of the CPU kernel's 3-, 4- and
+// 6-row tiles), and at least kGrainBytes of W per task: a smaller task costs more to hand out
+// than it saves. (Any split gives the same bits; this one keeps the tiles full.)
+constexpr int64_t kRowBlock = 24;
 constexpr int64_t kGrainBytes = 256 * 1024;
 
 DType linear_dtype(const at::Tensor& x) {
