@@ -117,7 +117,8 @@ RHEO_ALWAYS_INLINE void add_rms_norm_body(const AddRmsNormArgs& a) {
     const Elem* r = x;  // [hidden] the residual the norm reads
     if (delta) {
       Elem* out = static_cast<Elem*>(a.residual_out) + row * hidden;
-      for (int64_t c = 0; c < full; c += kLanes) store16(out + c, load16(x + c) + load16(delta + c));
+      for (int64_t c = 0; c < full; c += kLanes)
+        store16(out + c, load16(x + c) + load16(delta + c));
       for (int64_t c = full; c < hidden; ++c) store1(out + c, to_float(x[c]) + to_float(delta[c]));
       r = out;
     }
