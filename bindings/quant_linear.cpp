@@ -72,40 +72,59 @@ void quantize_rows_q8(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::T
 void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t out,
                   at::Tensor& y) {
   const QuantType t = quant_type(type);
-  RHEO_CHECK(x.dim() == 2, "x must be [n, in], got shape ", shape_str(x.sizes()));
-  const int64_t n = x.size(0), in = x.size(1), nb = in / kQuantBlock;
+  RHEO_CHECK(x.dim() >= 1, "x must be [..., in], got shape ", shape_str(x.sizes()));
+  check_contiguous(x, "x");
+  const int64_t in = x.size(-1), nb = in / kQuantBlock;
+  const int64_t n = in > 0 ? x.numel() / in : 0;  // the leading dims flattened
   const int64_t panels = (out + kQuantPanel - 1) / kQuantPanel;
   RHEO_CHECK(out >= 0, "out must be >= 0, got ", out);
   RHEO_CHECK(in % kQuantBlock == 0, "x must have in % 32 == 0 (Q8 blocks of 32 columns), got in=",
              in, "; quantized weights need a multiple of 32 input features");
   check_buffer(w, "w", at::kByte, {panels, nb, quant_record_bytes(t)},
                "[ceil(out / 16), in / 32, record bytes] (packed by rheo_engine.models.quant)");
-  check_buffer(y, "y", x.scalar_type(), {n, out}, "[n, out]");
+  std::vector<int64_t> y_shape(x.sizes().begin(), x.sizes().end() - 1);
+  y_shape.push_back(out);
+  check_buffer(y, "y", x.scalar_type(), y_shape, "[..., out] (the leading dims of x)");
   check_same_device(w, "w", x, "x");
   check_same_device(y, "y", x, "x");
-  auto opts = x.options();
-  at::Tensor xq = at::empty({n, in}, opts.dtype(at::kChar));
-  at::Tensor xd = at::empty({n, nb}, opts.dtype(at::kFloat));
-  at::Tensor xs = at::empty({n, nb}, opts.dtype(at::kInt));
-  at::Tensor xm = at::empty({n, nb}, opts.dtype(at::kFloat));
-  const QuantRowsArgs r = rows_args(x, xq, xd, xs, xm);
+  if (n == 0 || out == 0) return;
   QuantLinearArgs a;
-  a.xq = r.xq, a.xd = r.xd, a.xs = r.xs, a.xm = r.xm;
   a.w = static_cast<const uint8_t*>(w.const_data_ptr());
   a.type = t;
   a.y = y.mutable_data_ptr();
   a.dtype = float_dtype(y, "y");
   a.n = n, a.in = in, a.out = out, a.y_stride = out;
   a.p_begin = 0, a.p_end = panels;
-  if (n == 0 || out == 0) return;
+  QuantRowsArgs r;
+  r.x = x.const_data_ptr();
+  r.dtype = float_dtype(x, "x");
+  r.n = n, r.in = in, r.x_stride = in;
   if (on_cuda(x, "x")) {
 #ifdef RHEO_WITH_CUDA
     const c10::cuda::CUDAGuard guard(x.device());
+    auto opts = x.options();
+    at::Tensor xq = at::empty({n, in}, opts.dtype(at::kChar));
+    at::Tensor xd = at::empty({n, nb}, opts.dtype(at::kFloat));
+    at::Tensor xs = at::empty({n, nb}, opts.dtype(at::kInt));
+    at::Tensor xm = at::empty({n, nb}, opts.dtype(at::kFloat));
+    r.xq = a.xq = static_cast<int8_t*>(xq.mutable_data_ptr());
+    r.xd = static_cast<float*>(xd.mutable_data_ptr()), a.xd = r.xd;
+    r.xs = static_cast<int32_t*>(xs.mutable_data_ptr()), a.xs = r.xs;
+    r.xm = static_cast<float*>(xm.mutable_data_ptr()), a.xm = r.xm;
     RHEO_CUDA_CHECK(quantize_rows_q8_cuda(r, current_stream(x)));
     RHEO_CUDA_CHECK(quant_linear_cuda(a, current_stream(x)));
 #endif
     return;
   }
+  // The Q8 rows of x in this thread's scratch (a decode step's matmuls reuse it: no allocation).
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xm;
+  thread_local std::vector<int32_t> xs;
+  xq.resize(n * in), xd.resize(n * nb), xs.resize(n * nb), xm.resize(n * nb);
+  a.xq = r.xq = xq.data();
+  a.xd = r.xd = xd.data();
+  a.xs = r.xs = xs.data();
+  a.xm = r.xm = xm.data();
   quantize_rows_q8_cpu(r);
   const int64_t panel_bytes = std::max<int64_t>(1, nb * quant_record_bytes(t));
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / panel_bytes);

@@ -343,14 +343,12 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, out: int) -> torc
     the thread count or the CPU path."""
     if qtype not in QUANT_TYPES:
         raise ValueError(f"qtype={qtype!r} is not one of {list(QUANT_TYPES)}")
-    if x.dim() < 1:
-        raise ValueError(f"x must be [..., in], got shape {list(x.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = x.new_empty((x2.shape[0], out))
-    _C.quant_linear(x2, w, QUANT_TYPES[qtype], out, y)
-    return y.view(*x.shape[:-1], out)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    # No reshape or view here: each costs microseconds, as much as a small matmul's work.
+    y = x.new_empty((*x.shape[:-1], out))
+    _C.quant_linear(x, w, QUANT_TYPES[qtype], out, y)
+    return y
 
 
 # --- skinny linear ------------------------------------------------------------------------
