@@ -85,27 +85,48 @@ def read_bandwidth_gb_s() -> float:
     return buf.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
+def set_linear(mode: str) -> None:
+    """RHEO_LINEAR for ``mode``: "default" unsets it (what a user gets), else sets it."""
+    if mode == "default":
+        os.environ.pop("RHEO_LINEAR", None)
+    else:
+        os.environ["RHEO_LINEAR"] = mode
+
+
 def target_rows(pair: str, rows: list[int], context: int = 300, repeats: int = 15) -> None:
-    """t(n)/t(1) of the target's forward over n tree rows after ``context`` tokens, bf16, the
-    kernel for every linear and RHEO_LINEAR=torch, all interleaved; medians."""
+    """t(n)/t(1) of the target's forward over n tree rows after ``context`` tokens, and the
+    prefill of those tokens, bf16: the default linear (the kernel for every call) and
+    RHEO_LINEAR=torch, all interleaved; medians. Run from an older checkout (PYTHONPATH), it
+    times that checkout's default."""
     from rheo_engine.runtime.engine import Engine
 
     options = {"pair": "smollm2", "quantized": False} if pair == "smollm2" else {}
-    model = Engine.from_pretrained(dtype=torch.bfloat16, **options).target
+    try:
+        model = Engine.from_pretrained(dtype=torch.bfloat16, **options).target
+    except TypeError:  # a checkout from before quantized GGUF loading: dequantized anyway
+        options.pop("quantized", None)
+        model = Engine.from_pretrained(dtype=torch.bfloat16, **options).target
     cache = model.new_cache(context + max(rows) + 1)
-    with torch.no_grad():
-        model.forward(torch.arange(5, 5 + context)[None] % model.cfg.vocab_size,
-                      torch.arange(context)[None], cache)  # fmt: skip
-    cache.advance(context)
+    prompt = torch.arange(5, 5 + context)[None] % model.cfg.vocab_size
     cases = {}
     for n in rows:  # a chain of n rows (causal mask): the cost of n tree nodes
         cases[n] = (torch.arange(7, 7 + n)[None], torch.arange(context, context + n)[None])
+    prefill: dict[str, list[float]] = {"default": [], "torch": []}
     times: dict[tuple[str, int], list[float]] = {}
     before = os.environ.get("RHEO_LINEAR")
     try:
+        for i in range(4):  # the prefill, last row's logits only, as the engine runs it
+            for mode in prefill:
+                set_linear(mode)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model.forward(prompt, torch.arange(context)[None], cache, last_logits_only=True)
+                if i:
+                    prefill[mode].append(time.perf_counter() - t0)
+        cache.advance(context)
         for i in range(repeats + 2):
-            for mode in ("skinny", "torch"):
-                os.environ["RHEO_LINEAR"] = mode
+            for mode in ("default", "torch"):
+                set_linear(mode)
                 for n, (tokens, positions) in cases.items():
                     t0 = time.perf_counter()
                     with torch.no_grad():
@@ -113,19 +134,17 @@ def target_rows(pair: str, rows: list[int], context: int = 300, repeats: int = 1
                     if i >= 2:
                         times.setdefault((mode, n), []).append(time.perf_counter() - t0)
     finally:
-        if before is None:
-            os.environ.pop("RHEO_LINEAR", None)
-        else:
-            os.environ["RHEO_LINEAR"] = before
+        set_linear("default" if before is None else before)
     print(f"# target forward over n rows after {context} tokens: {pair}, bf16, "
           f"threads={torch.get_num_threads()}, cpu={isa_line()}, commit={commit_id()}")  # fmt: skip
-    print("| linear | " + " | ".join(f"n = {n}" for n in rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    for mode in ("skinny", "torch"):
+    print("| linear | " + " | ".join(f"n = {n}" for n in rows) + f" | prefill {context} |")
+    print("|---|" + "---|" * (len(rows) + 1))
+    for mode in ("default", "torch"):
         t1 = statistics.median(times[(mode, rows[0])])
         cells = [f"{t1 * 1e3:.1f} ms"]
         cells += [f"{statistics.median(times[(mode, n)]) / t1:.2f}" for n in rows[1:]]
-        print(f"| {'kernel (default)' if mode == 'skinny' else 'RHEO_LINEAR=torch'} | "
+        cells += [f"{statistics.median(prefill[mode]) * 1e3:.0f} ms"]
+        print(f"| {'default' if mode == 'default' else 'RHEO_LINEAR=torch'} | "
               + " | ".join(cells) + " |")  # fmt: skip
 
 
