@@ -1,9 +1,10 @@
 """The machine the engine runs on: who it is, and where choices measured on it are kept.
 
-Two things are measured on the running machine and then kept per user, as autotuners keep
-theirs: the auto tree's cost profiles (tree_policy) and which matmul kernel each shape runs
-(models/linear.py). Keeping them makes a later process decide exactly as the first did, so a
-seeded run reproduces on the same machine with the same settings.
+Costs measured on the running machine are kept per user, as autotuners keep theirs: the auto
+tree's cost profiles (tree_policy) and prompt lookup's costs (lookup_policy). Keeping them
+makes a later process decide exactly as the first did, so a seeded run reproduces on the same
+machine with the same settings. (The matmul kernel is no longer chosen per machine: every CPU
+bf16/fp32 linear runs one kernel with one summation order, models/linear.py.)
 
 - ``cache_dir(kind)``: $RHEO_CACHE_DIR/kind, else $XDG_CACHE_HOME/rheo-engine/kind
   (~/.cache/...); ``RHEO_CACHE_DIR=off`` keeps everything in the process only.
@@ -27,7 +28,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 
 
 def cache_dir(kind: str) -> Path | None:
-    """The folder of kept ``kind`` choices ("profiles", "linear"), or None when off."""
+    """The folder of kept ``kind`` choices ("profiles", "lookup-costs"), or None when off."""
     root = os.environ.get("RHEO_CACHE_DIR")
     if root == "off":
         return None
