@@ -200,9 +200,10 @@ RHEO_VNNI_INLINE __m512i broadcast4_512(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// One block of the panel for x rows i0..i0+G-1: their sums accv[g] (16 lanes) updated in place.
 template <int G>
 RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
-                                 int64_t i0, float* acc) {
+                                 int64_t i0, __m512* accv) {
   const int64_t nb = a.in / kQuantBlock;
   const bool has_m = a.type == QuantType::kQ4_1;
   const uint8_t* codes = record + (has_m ? 64 : 32);
@@ -239,24 +240,33 @@ RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record
     const int64_t ib = (i0 + g) * nb + b;
     __m512i is = isum[g];
     if (offset != 0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(offset * a.xs[ib]));
-    float* s = acc + (i0 + g) * kQuantPanel;
-    __m512 v = _mm512_loadu_ps(s);
+    __m512 v = accv[g];
     v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib])), _mm512_cvtepi32_ps(is), v);
     if (has_m) v = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xm[ib]), v);
-    _mm512_storeu_ps(s, v);
+    accv[g] = v;
   }
+}
+
+// x rows i0..i0+G-1 against every block of the panel, their sums kept in registers; the panel
+// (nb records, 5-15 KiB for SmolLM2) comes from memory for the first group and from L1/L2 after.
+template <int G>
+RHEO_VNNI_INLINE void rows_vnni(const QuantLinearArgs& a, const uint8_t* panel, int64_t i0,
+                                float* acc) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  __m512 accv[G];
+  for (int g = 0; g < G; ++g) accv[g] = _mm512_loadu_ps(acc + (i0 + g) * kQuantPanel);
+  for (int64_t b = 0; b < nb; ++b) group_vnni<G>(a, panel + b * rec, b, i0, accv);
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + (i0 + g) * kQuantPanel, accv[g]);
 }
 
 RHEO_VNNI void panel_vnni(const QuantLinearArgs& a, int64_t p, float* acc) {
   const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
   const uint8_t* panel = a.w + p * nb * rec;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* record = panel + b * rec;
-    int64_t i0 = 0;
-    for (; i0 + kGroup512 <= a.n; i0 += kGroup512) group_vnni<kGroup512>(a, record, b, i0, acc);
-    for (; i0 + 4 <= a.n; i0 += 4) group_vnni<4>(a, record, b, i0, acc);
-    for (; i0 < a.n; ++i0) group_vnni<1>(a, record, b, i0, acc);
-  }
+  int64_t i0 = 0;
+  for (; i0 + kGroup512 <= a.n; i0 += kGroup512) rows_vnni<kGroup512>(a, panel, i0, acc);
+  for (; i0 + 4 <= a.n; i0 += 4) rows_vnni<4>(a, panel, i0, acc);
+  for (; i0 + 2 <= a.n; i0 += 2) rows_vnni<2>(a, panel, i0, acc);
+  for (; i0 < a.n; ++i0) rows_vnni<1>(a, panel, i0, acc);
 }
 #endif  // RHEO_HAVE_X86_PATHS
 
