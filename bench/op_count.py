@@ -189,6 +189,10 @@ def compile_section(rows_list: list[int], repeats: int) -> None:
     for rows in rows_list:
         step = Step(model, rows)
         model.fused = False  # Inductor fuses the torch ops itself; rheo's kernels are opaque
+        # Each rheo kernel (pybind) is a graph break, and the layers' frames differ only in their
+        # weights: allow one compiled frame per layer instead of falling back to eager after 8.
+        torch._dynamo.config.recompile_limit = 4 * model.cfg.num_hidden_layers
+        torch._dynamo.config.accumulated_recompile_limit = 64 * model.cfg.num_hidden_layers
         compiled = torch.compile(model.forward, dynamic=False)
         t0 = time.perf_counter()
         step(compiled)
