@@ -153,3 +153,48 @@ def test_speculation_is_lossless_for_the_quantized_target(engine_q8):
     print(f"quantized target: p = {p_value:.3g}; against T = 0.85: p = {wrong:.3g}")
     assert p_value > 1e-4 and wrong < 1e-5
     assert sum(a > 1 for a in accepts) > G_RUNS // 4, "drafts rarely accepted: weak test"
+
+
+@pytest.mark.parametrize("qtype, formats", [
+    ("Q4_0", "kept quantized: Q4_0 x49; dequantized: F32 x17, F16 x8"),
+    ("Q5_0", "dequantized: Q5_0 x49, F32 x17, F16 x8"),
+])  # fmt: skip
+def test_a_written_gguf_keeps_q4_0_and_dequantizes_q5_0_saying_which(tmp_path, qtype, formats):
+    """Files written as llama.cpp's converter writes them (tests/gguf_files.py; down_proj, 688
+    columns, stays F16 as llama-quantize leaves it): Q4_0 runs kept, Q5_0 is dequantized, and
+    the formats line says so; kept logits stay near the dequantized model's."""
+    import json
+
+    from tests.gguf_files import write_llama_gguf
+
+    from rheo_engine.io.weights import load_safetensors
+
+    target = DEFAULT_PAIR / "target"
+    cfg = json.loads((target / "config.json").read_text())
+    path = write_llama_gguf(tmp_path / f"{qtype}.gguf", cfg, load_safetensors(target), qtype,
+                            target / "tokenizer.model")  # fmt: skip
+    ckpt = read_gguf(path)
+    assert ckpt.formats == formats
+    kept = LlamaModel.from_gguf(ckpt, dtype=torch.float32)
+    dense = LlamaModel.from_gguf(read_gguf(path, quantized=False), dtype=torch.float32)
+    assert isinstance(kept.layers[0].w_qkv, QuantWeight) == (qtype == "Q4_0")
+    ids = [1, 450, 338, 7, 900, 2000, 3, 4095]
+    pos = torch.arange(len(ids))[None]
+    with torch.no_grad():
+        a, _ = kept.forward(torch.tensor([ids]), pos, kept.new_cache(len(ids)))
+        b, _ = dense.forward(torch.tensor([ids]), pos, dense.new_cache(len(ids)))
+    if qtype == "Q5_0":
+        assert torch.equal(a, b)
+    else:  # only x's Q8 rounding apart
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_cli_quantize_and_dequantize_say_which_weights_run(capsys):
+    from rheo_engine.entrypoints.generate import main
+
+    args = ["--prompt", "def f(x):", "--max-new-tokens", "4", "--temperature", "0",
+            "--threads", "1", "--method", "ar"]  # fmt: skip
+    assert main(args + ["--quantize", "q8_0"]) == 0
+    assert "weights: Q8_0 x25, bfloat16 x25" in capsys.readouterr().err
+    assert main(args) == 0
+    assert "weights:" not in capsys.readouterr().err  # a float target: nothing to say

@@ -408,7 +408,7 @@ def _formats(kept: dict[str, int], dequantized: dict[str, int]) -> str:
     """"kept quantized: Q4_1 x210, Q8_0 x1; dequantized: F32 x61" (norms are F32 anyway)."""
 
     def part(counts: dict[str, int]) -> str:
-        return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     labels = (("kept quantized", kept), ("dequantized", dequantized))
     return "; ".join(f"{label}: {part(c)}" for label, c in labels if c)
