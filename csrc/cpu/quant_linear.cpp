@@ -58,11 +58,21 @@ inline float block_step(float acc, float d_w, float m_w, float xd, float xm, int
 
 // --- portable path -----------------------------------------------------------------------------
 
-// Code of row r (of the panel), column k (of the block) in a record's code bytes.
-inline int32_t code(const uint8_t* codes, QuantType type, int r, int k) {
-  if (type == QuantType::kQ8_0) return static_cast<int8_t>(codes[(k / 4) * 64 + 4 * r + k % 4]);
-  const uint8_t byte = codes[((k % 16) / 4) * 64 + 4 * r + k % 4];
-  return k < 16 ? (byte & 0x0F) : (byte >> 4);
+// wq[r][k] = the code of panel row r, block column k (the header's layout), read byte by byte in
+// order: chunk c, row r, byte j holds column 4c + j (Q8_0), or 4c + j and 16 + 4c + j (Q4).
+void unpack_codes(const uint8_t* codes, QuantType type, int16_t wq[][kQuantBlock]) {
+  const int chunks = type == QuantType::kQ8_0 ? 8 : 4;
+  for (int c = 0; c < chunks; ++c)
+    for (int r = 0; r < kQuantPanel; ++r)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t byte = codes[c * 64 + 4 * r + j];
+        if (type == QuantType::kQ8_0) {
+          wq[r][4 * c + j] = static_cast<int8_t>(byte);
+        } else {
+          wq[r][4 * c + j] = byte & 0x0F;
+          wq[r][16 + 4 * c + j] = byte >> 4;
+        }
+      }
 }
 
 void panel_portable(const QuantLinearArgs& a, int64_t p, float* acc /* [n, 16] */) {
@@ -74,12 +84,14 @@ void panel_portable(const QuantLinearArgs& a, int64_t p, float* acc /* [n, 16] *
     const uint16_t* d = reinterpret_cast<const uint16_t*>(record);   // [16] fp16
     const uint16_t* m = d + kQuantPanel;                             // [16] fp16 (Q4_1)
     const uint8_t* codes = record + (has_m ? 64 : 32);
+    int16_t wq[kQuantPanel][kQuantBlock];  // the record's codes, unpacked once for all rows
+    unpack_codes(codes, a.type, wq);
     for (int64_t i = 0; i < a.n; ++i) {
       const int8_t* xq = a.xq + i * a.in + b * kQuantBlock;  // [32]
       const int64_t ib = i * nb + b;
       for (int r = 0; r < kQuantPanel; ++r) {
         int32_t isum = 0;
-        for (int k = 0; k < kQuantBlock; ++k) isum += code(codes, a.type, r, k) * xq[k];
+        for (int k = 0; k < kQuantBlock; ++k) isum += wq[r][k] * xq[k];
         if (a.type == QuantType::kQ4_0) isum -= 8 * a.xs[ib];
         float& s = acc[i * kQuantPanel + r];
         s = block_step(s, half_to_float(d[r]), has_m ? half_to_float(m[r]) : 0.0f, a.xd[ib],
