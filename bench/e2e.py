@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--seeds", type=at_least(1), default=3, help="runs over all questions (default 3)"
     )
     p.add_argument("--temperature", type=at_least(0.0, float), default=1.0, help="T; 0 = greedy")
+    p.add_argument("--drafts", choices=("head", "lookup", "both"),
+                   help="draft sources (default: the engine's, both with a head); head measures "
+                        "the head alone")  # fmt: skip
     p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     add_tree_args(p)
     p.add_argument("--out", help="write the results as JSON here")
@@ -98,7 +101,9 @@ def run(args: argparse.Namespace) -> dict:
         kind, texts = prompt_texts(args)
         target, draft, engine = load_pair(args)
         tree = tree_options(args)
-        configs = {m: dict(method=m, temperature=args.temperature, **tree) for m in args.methods}
+        drafts = {} if args.drafts is None else {"drafts": args.drafts}
+        configs = {m: dict(method=m, temperature=args.temperature, **tree, **drafts)
+                   for m in args.methods}  # fmt: skip
         check_unique(args.methods, "--methods")
         for options in configs.values():
             engine.request([1], 1, **options)
@@ -121,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         seeds=args.seeds,
         T=args.temperature,
         max_new_tokens=args.max_new_tokens,
+        drafts=args.drafts or "default",
         **tree,
     )
     print(conditions_line(cond), flush=True)
