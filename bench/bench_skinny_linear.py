@@ -142,7 +142,9 @@ def target_rows(pair: str, rows: list[int], context: int = 300, repeats: int = 1
     for mode in ("default", "torch"):
         t1 = statistics.median(times[(mode, rows[0])])
         cells = [f"{t1 * 1e3:.1f} ms"]
-        cells += [f"{statistics.median(times[(mode, n)]) / t1:.2f}" for n in rows[1:]]
+        for n in rows[1:]:
+            tn = statistics.median(times[(mode, n)])
+            cells.append(f"{tn / t1:.2f} ({tn * 1e3:.1f} ms)")
         cells += [f"{statistics.median(prefill[mode]) * 1e3:.0f} ms"]
         print(f"| {'default' if mode == 'default' else 'RHEO_LINEAR=torch'} | "
               + " | ".join(cells) + " |")  # fmt: skip
