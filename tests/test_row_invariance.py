@@ -6,13 +6,14 @@ vdpbf16ps or not) and at 1 and 2 threads, and every path gives the same bits.
 
 End to end, with RHEO_LINEAR unset (the default a user gets): greedy ``rheo`` equals greedy
 ``ar`` token for token in bf16 on the default pair and the smollm2 pair, and a batch of three
-prompts equals the three single calls (``ar`` and ``rheo``). These failed with the per-(shape,
-rows) torch-or-kernel choice models/linear.py used to make: a tree step ran torch's GEMM on
-its n rows where ``ar`` ran the kernel on one, and the two sum in different orders, so a bf16
-logit moved by an ulp and a near-tie argmax flipped (issue 27 saw 1-3 of 3 prompts differ);
-``test_a_tree_row_equals_the_plain_step`` shows it at the logits' bits, where a greedy run
-needs a near-tie to show it: with that choice restored the bits differ, with the kernel they
-do not.
+prompts equals the three single calls (``ar`` and ``rheo``). The per-(shape, rows)
+torch-or-kernel choice models/linear.py used to make broke these: a tree step ran torch's GEMM
+on its n rows where ``ar`` ran the kernel on one, the two sum in different orders, so a bf16
+logit moved by an ulp and a near-tie argmax flipped (issue 27 saw 1-3 of 3 prompts differ).
+A token can flip only at a near-tie, and these prompts (32 tokens) happen to have none: with
+that choice restored by hand they still passed. So ``test_a_tree_row_equals_the_plain_step``
+checks the cause at the logits' bits, which needs no tie: with that choice restored it sees
+the bits differ, with the kernel they are equal.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def test_torch_and_the_kernel_differ_so_a_per_rows_choice_changes_bits():
     sum in different orders, so the old per-(shape, rows) choice (the kernel for one row, torch
     from about 4 rows on an AMD EPYC) gave a tree step's rows other bits than ``ar``'s single
     row, and a request in a batch other bits than alone. The kernel's rows are the same alone and
-    together. (Checked by hand too: the end-to-end tests above fail with that choice restored.)"""
+    together."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(3072, 576, generator=gen) * 576**-0.5).bfloat16()  # SmolLM2's gate_up
     x = torch.randn(16, 576, generator=gen).bfloat16()
