@@ -192,9 +192,13 @@ def test_a_written_gguf_keeps_q4_0_and_dequantizes_q5_0_saying_which(tmp_path, q
 def test_cli_quantize_and_dequantize_say_which_weights_run(capsys):
     from rheo_engine.entrypoints.generate import main
 
-    args = ["--prompt", "def f(x):", "--max-new-tokens", "4", "--temperature", "0",
+    args = ["--prompt", "def f(x):", "--max-new-tokens", "2", "--temperature", "0",
             "--threads", "1", "--method", "ar"]  # fmt: skip
     assert main(args + ["--quantize", "q8_0"]) == 0
     assert "weights: Q8_0 x25, bfloat16 x25" in capsys.readouterr().err
     assert main(args) == 0
     assert "weights:" not in capsys.readouterr().err  # a float target: nothing to say
+    _smollm2()
+    for opt in ("--dequantize", "--no-quantized"):
+        assert main(args + ["--pair", "smollm2", opt, "--no-chat"]) == 0
+        assert "weights: dequantized: Q4_1 x210, F32 x61, Q8_0 x1" in capsys.readouterr().err

@@ -55,8 +55,9 @@ API_OPTIONS = ("target", "draft", "device", "dtype", "max_new_tokens", "method",
                "frequency_penalty", "stop", "ignore_eos", "min_new_tokens", "logprobs",
                "top_logprobs", "seed", "topk", "depth", "total_tokens", "leads", "support",
                "chat", "chat_template", "tree", "cost_profile", "pair", "threads",
-               "tensor_parallel", "tp_check", "drafts")  # fmt: skip
-_SWITCHES = ("chat", "ignore_eos", "logprobs", "tp_check")  # flags without a value (store_true)
+               "tensor_parallel", "tp_check", "drafts", "quantized", "quantize")  # fmt: skip
+# flags without a value (store_true, or --x / --no-x)
+_SWITCHES = ("chat", "ignore_eos", "logprobs", "tp_check", "quantized")
 _NEVER = "(?!)"  # a pattern that matches nothing
 
 
@@ -256,9 +257,12 @@ def parser(prog: str = PROG, description: str | None = None,
         "quantized kernels run them)",
     )  # fmt: skip
     p.add_argument(
-        "--dequantize", action="store_true",
-        help="dequantize a GGUF target's Q8_0/Q4_0/Q4_1 tensors (by default they stay quantized)",
+        "--quantized", action=argparse.BooleanOptionalAction, default=True,
+        help="keep a GGUF target's Q8_0/Q4_0/Q4_1 tensors quantized (the default); "
+        "--no-quantized (or --dequantize) loads them as floats",
     )  # fmt: skip
+    p.add_argument("--dequantize", dest="quantized", action="store_false",
+                   help="the same as --no-quantized")  # fmt: skip
     p.add_argument(
         "--quiet", action="store_true",
         help="no progress on stderr while the model loads or the engine measures this machine",
@@ -613,7 +617,7 @@ def load(args: argparse.Namespace) -> Engine:
         engine = Engine.from_pretrained(
             args.target, args.draft, args.device, dtype, args.pair, args.threads,
             tensor_parallel=args.tensor_parallel, tp_check=args.tp_check,
-            quantized=not args.dequantize, quantize=args.quantize,
+            quantized=args.quantized, quantize=args.quantize,
         )  # fmt: skip
     formats = engine.target.weight_formats  # a GGUF file's, or what --quantize made
     if ("Q" in formats or "dequantized" in formats) and not args.quiet:

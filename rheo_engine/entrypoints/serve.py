@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     ("error: ..."), as rheo_engine.entrypoints.generate does."""
     import uvicorn
 
+    import argparse
+
     from rheo_engine.entrypoints.generate import _DTYPES, _Parser, cli_spelling
     from rheo_engine.runtime.engine import Engine
     from rheo_engine.runtime.pairs import PAIRS
@@ -291,9 +293,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="the target's dtype (default: its checkpoint's)")  # fmt: skip
     p.add_argument("--quantize", choices=["q8_0"], default=None,
                    help="quantize a float target's matrices to Q8_0 at load")  # fmt: skip
-    p.add_argument("--dequantize", action="store_true",
-                   help="dequantize a GGUF target's Q8_0/Q4_0/Q4_1 tensors (kept by default)",
+    p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a GGUF target's Q8_0/Q4_0/Q4_1 tensors quantized (default)",
                    )  # fmt: skip
+    p.add_argument("--dequantize", dest="quantized", action="store_false",
+                   help="load them as floats: the same as --no-quantized")  # fmt: skip
     p.add_argument("--threads", type=int,
                    help="torch CPU threads (default: 1 for targets below 1B parameters, else "
                    "torch's default), as in rheo_engine.generate")  # fmt: skip
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype = None if args.dtype is None else _DTYPES[args.dtype]
         engine = Engine.from_pretrained(
             args.target, args.draft, args.device, dtype, args.pair, args.threads,
-            tensor_parallel=args.tensor_parallel, quantized=not args.dequantize,
+            tensor_parallel=args.tensor_parallel, quantized=args.quantized,
             quantize=args.quantize,
         )  # fmt: skip
         if args.chat_template is not None:  # an unknown name fails here, not at the first chat

@@ -330,8 +330,12 @@ class LlamaModel:
         cfg = ModelConfig.from_dict(ckpt.config, str(ckpt.path))
         model = cls.from_weights(cfg, ckpt.tensors, device, dtype, tp, quantized, quantize)
         model.source = str(ckpt.path)
-        if ckpt.formats and quantized and quantize is None and tp is None:
-            model.weight_formats = ckpt.formats
+        if ckpt.formats and quantize is None and tp is None:  # the file's types, and what ran
+            kept, _, rest = ckpt.formats.removeprefix("kept quantized: ").rpartition(
+                "dequantized: "
+            )
+            every = ", ".join(p.strip("; ") for p in (kept, rest) if p.strip("; "))
+            model.weight_formats = ckpt.formats if quantized else f"dequantized: {every}"
         return model
 
     @classmethod
