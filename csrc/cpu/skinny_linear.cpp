@@ -17,8 +17,10 @@
 //           EPYC against 4x4, 8x2, 4x6, 8x3 and 5x5 over SmolLM2's matrices at 1-64 rows: 6x4 as
 //           fast or faster everywhere, up to 1.4x over 4x4 at 4 and 64 rows). Else, and for
 //           float32, one zmm of 16 lanes with FMA, tiles 4 x 4 (bf16 holds 8 x vectors).
-//   avx2    two ymm of 8 lanes per (W row, x row), one pass over the block's columns for each half
-//           (the block stays in L1 between them). Tiles 4 x 3 (16 ymm registers).
+//   avx2    two ymm of 8 lanes per (W row, x row), both in one pass over the block's columns
+//           (two passes, one per half, doubled the L1/L2 traffic: 1.3-1.6x slower at in = 1536).
+//           Tiles 4 x 3: 24 accumulators, more than the 16 ymm registers, yet timed as fast as
+//           2 x 2, 2 x 3 and 3 x 2 or faster on a Zen 4 at the avx2 level (noisy, loaded machine).
 //   default skinny::dot, one output at a time.
 // The FMA paths run bf16 with MXCSR's FTZ and DAZ set (restored on return): x86 then flushes
 // exactly as vdpbf16ps does (checked on an AMD EPYC Zen 4 over 32M random and edge lanes, and by
@@ -138,21 +140,21 @@ void pack_x(const SkinnyLinearArgs& a, const float* x, int64_t i0, int64_t m, st
   for (int64_t i = 0; i < m; ++i) rows[i] = x + (i0 + i) * a.x_stride;
 }
 
-// --- AVX2 + FMA: lanes 0..7 and 8..15 in two passes over the block ---
+// --- AVX2 + FMA: lanes 0..7 and 8..15 as two ymm accumulators per (W row, x row) ---
 
 template <typename Elem, int R, int C>
 RHEO_AVX2 void block_avx2(const Elem* w_block, int64_t in, const float* const* x_rows,
                           Elem* const* y_rows, int64_t o0) {
   constexpr int64_t step = kStep<Elem>;
   const int64_t steps = in - in % step;
-  float half0[R][C][8];  // lanes 0..7 of the first pass
-  __m256 acc[R][C];
-  for (int h = 0; h < 2; ++h) {
+  __m256 acc[R][C][2];  // [.][.][h]: lanes 8h..8h+7
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < steps; k += step) {
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < steps; k += step) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
       if constexpr (sizeof(Elem) == 2) {
         // Lanes 8h..8h+7 cover columns k + 16h .. k + 16h + 15: odd ones, then even ones.
         __m256 x_odd[C], x_even[C];
@@ -169,9 +171,11 @@ RHEO_AVX2 void block_avx2(const Elem* w_block, int64_t in, const float* const* x
               _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
           const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 #pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w_odd, x_odd[c], acc[r][c]);
+          for (int c = 0; c < C; ++c)
+            acc[r][c][h] = _mm256_fmadd_ps(w_odd, x_odd[c], acc[r][c][h]);
 #pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w_even, x_even[c], acc[r][c]);
+          for (int c = 0; c < C; ++c)
+            acc[r][c][h] = _mm256_fmadd_ps(w_even, x_even[c], acc[r][c][h]);
         }
       } else {
         __m256 xv[C];
@@ -182,17 +186,14 @@ RHEO_AVX2 void block_avx2(const Elem* w_block, int64_t in, const float* const* x
           const __m256 wv = _mm256_loadu_ps(reinterpret_cast<const float*>(w_block) + r * in +
                                             k + 8 * h);
 #pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
+          for (int c = 0; c < C; ++c) acc[r][c][h] = _mm256_fmadd_ps(wv, xv[c], acc[r][c][h]);
         }
       }
     }
-    if (h == 0)
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) _mm256_storeu_ps(half0[r][c], acc[r][c]);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      const __m256 s8 = _mm256_add_ps(_mm256_loadu_ps(half0[r][c]), acc[r][c]);  // l[j] + l[j+8]
+      const __m256 s8 = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);  // l[j] + l[j + 8]
       finish(fold8(s8), w_block + r * in, x_rows[c], steps, in, y_rows[c] + o0 + r);
     }
 }
