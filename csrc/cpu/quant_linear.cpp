@@ -164,7 +164,7 @@ RHEO_AVX2_INLINE void block_dots_avx2(QuantType type, const uint8_t* codes,
 
 template <int G>
 RHEO_AVX2_INLINE void group_avx2(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
-                                 int64_t i0, float* acc) {
+                                 int64_t i0, __m256 accv[][2]) {
   const int64_t nb = a.in / kQuantBlock;
   const bool has_m = a.type == QuantType::kQ4_1;
   const int8_t* xq[G];
@@ -179,24 +179,34 @@ RHEO_AVX2_INLINE void group_avx2(const QuantLinearArgs& a, const uint8_t* record
       const int64_t ib = (i0 + g) * nb + b;
       __m256i is = isum[g][h];
       if (a.type == QuantType::kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * a.xs[ib]));
-      float* s = acc + (i0 + g) * kQuantPanel + 8 * h;
-      __m256 v = _mm256_loadu_ps(s);
+      __m256 v = accv[g][h];
       v = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.xd[ib])), _mm256_cvtepi32_ps(is), v);
       if (has_m) v = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xm[ib]), v);
-      _mm256_storeu_ps(s, v);
+      accv[g][h] = v;
     }
   }
+}
+
+// x rows i0..i0+G-1 against every block of the panel, their sums kept in registers (as rows_vnni).
+template <int G>
+RHEO_AVX2_INLINE void rows_avx2(const QuantLinearArgs& a, const uint8_t* panel, int64_t i0,
+                                float* acc) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  __m256 accv[G][2];
+  for (int g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) accv[g][h] = _mm256_loadu_ps(acc + (i0 + g) * kQuantPanel + 8 * h);
+  for (int64_t b = 0; b < nb; ++b) group_avx2<G>(a, panel + b * rec, b, i0, accv);
+  for (int g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (i0 + g) * kQuantPanel + 8 * h, accv[g][h]);
 }
 
 RHEO_AVX2 void panel_avx2(const QuantLinearArgs& a, int64_t p, float* acc) {
   const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
   const uint8_t* panel = a.w + p * nb * rec;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* record = panel + b * rec;
-    int64_t i0 = 0;
-    for (; i0 + kGroup2 <= a.n; i0 += kGroup2) group_avx2<kGroup2>(a, record, b, i0, acc);
-    for (; i0 < a.n; ++i0) group_avx2<1>(a, record, b, i0, acc);
-  }
+  int64_t i0 = 0;
+  for (; i0 + kGroup2 <= a.n; i0 += kGroup2) rows_avx2<kGroup2>(a, panel, i0, acc);
+  for (; i0 + 2 <= a.n; i0 += 2) rows_avx2<2>(a, panel, i0, acc);
+  for (; i0 < a.n; ++i0) rows_avx2<1>(a, panel, i0, acc);
 }
 
 // --- AVX-512 VNNI path: 16 lanes = the whole panel ---------------------------------------------
