@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rheo_engine.io.weights import load_safetensors
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.runtime.engine import DEFAULT_PAIR
 from rheo_engine.train.head import head_config
@@ -24,15 +25,18 @@ TARGET = DEFAULT_PAIR / "target"
 LAYERS = (1, 2, 3)
 
 
-def write_shards(data: Path, n: int, vocab: int) -> None:
-    """n shards of 6 sequences each: a 20-token prompt, then a reply of 3..40 tokens."""
-    data.mkdir(parents=True)
-    rng = np.random.default_rng(0)
+def write_shards(data: Path, n: int, vocab: int, low: int = 3) -> None:
+    """Shards 0..n-1 (those missing) of 6 sequences each: a 20-token prompt, then a reply of
+    3..40 tokens, ids in [low, vocab)."""
+    data.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(n)
     for i in range(n):
+        if shard_path(data, i).exists():
+            continue
         tokens, index, offset = [], [], 0
         for k in range(6):
             prompt, reply = 20, int(rng.integers(3, 41))
-            ids = rng.integers(3, vocab, prompt + reply)
+            ids = rng.integers(low, vocab, prompt + reply)
             tokens.append(ids)
             index.append((offset, prompt, prompt + reply, k % 3, 0))
             offset += prompt + reply
@@ -108,10 +112,18 @@ def test_run_caches_features_resumes_exports_and_evaluates(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert "features of" not in out  # read back from --work/features, not recomputed
     assert json.loads((work / "ckpt.json").read_text())["step"] == 3
+    used = load_safetensors(work / "ckpt.safetensors")["used"]
+    # A new shard of other tokens changes the most frequent ids; the resumed run keeps the
+    # checkpoint's vocabulary (its lm_head rows stand for those ids).
+    write_shards(data, 5, 600, low=300)
     main([*common, "--max-steps", "5", "--resume", "--out", str(tmp_path / "head")])
-    assert "resumed from step 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from step 3" in out and "draft vocabulary kept" in out
+    head = load_safetensors(tmp_path / "head" / "model.safetensors")
+    assert torch.equal(head["d2t"].long() + torch.arange(300), used)
     log = json.loads((tmp_path / "head" / "train_log.json").read_text())
-    assert log["step"] == 5 and log["positions_train"] == got["train_positions"]
+    assert log["step"] == 5 and log["train_shards"] == [2, 3, 4]
+    assert log["positions_train"] == sum(CONTEXT + r for r in _replies(data, [2, 3, 4]))
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 300 and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     result = main([*common, "--evaluate", str(tmp_path / "head")])

@@ -39,12 +39,8 @@ class Trainer:
                  device: str) -> None:  # fmt: skip
         self.cfg, self.hcfg, self.device = cfg, hcfg, torch.device(device)
         self.train_data, self.val_data = train, val
-        self.used = used.to(self.device)  # [Vd] ascending target ids of the draft vocabulary
-        V = hcfg.vocab_size
-        self.t2d = torch.zeros(V, dtype=torch.bool, device=self.device)  # [V]
-        self.t2d[self.used] = True
         self.lm_target = target.lm_head.to(self.device, torch.float32)  # [V, hidden]
-        self.lm_used = self.lm_target[self.used].contiguous()  # [Vd, hidden]
+        self._set_vocabulary(used)
         # The head's matmuls in bf16 (fp32 master weights, fp32 loss) where the CPU runs bf16
         # GEMMs faster (AVX-512-BF16 / AMX: ~2.5x); None = fp32 throughout.
         self.autocast: torch.dtype | None = None
@@ -57,6 +53,14 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)  # which sequences form each batch
         self.progress: dict = {"step": 0, "planned_steps": cfg.max_steps or None,
                                "train_seconds": 0.0, "train": []}  # fmt: skip
+
+    def _set_vocabulary(self, used: torch.Tensor) -> None:
+        """The draft vocabulary: ``used`` [Vd] ascending target ids (row j of the head's
+        lm_head is target id used[j])."""
+        self.used = used.to(self.device)
+        self.t2d = torch.zeros(len(self.lm_target), dtype=torch.bool, device=self.device)  # [V]
+        self.t2d[self.used] = True
+        self.lm_used = self.lm_target[self.used].contiguous()  # [Vd, hidden]
 
     # --- loss ------------------------------------------------------------------------------
 
@@ -208,6 +212,7 @@ class Trainer:
             for key, value in self.opt.state.get(p, {}).items():
                 tensors[f"opt.{i}.{key}"] = value.reshape(-1) if key == "step" else value
         tensors["rng"] = self.gen.get_state()
+        tensors["used"] = self.used.cpu()  # the vocabulary the lm_head rows stand for
         meta = {"config": jsonable(self.cfg), **self.progress}
         save_safetensors(tensors, work / "ckpt.safetensors.tmp")
         (work / "ckpt.json.tmp").write_text(json.dumps(meta, indent=1))
@@ -225,6 +230,12 @@ class Trainer:
             self.opt.state[p] = {k.split(".", 2)[2]: tensors[k].reshape(()) if k.endswith(".step")
                                  else tensors[k].to(self.device) for k in keys}  # fmt: skip
         self.gen.set_state(tensors["rng"])
+        if "used" in tensors and not torch.equal(tensors["used"], self.used.cpu()):
+            # More data can change which tokens are the most frequent: the checkpoint's rows
+            # keep their own vocabulary.
+            self._set_vocabulary(tensors["used"])
+            print(f"resume: the checkpoint's draft vocabulary kept ({len(self.used)} ids)",
+                  flush=True)  # fmt: skip
         self.progress = {k: meta[k] for k in self.progress}
         if self.cfg.max_steps:
             self.progress["planned_steps"] = self.cfg.max_steps
