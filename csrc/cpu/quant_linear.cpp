@@ -109,6 +109,10 @@ void panel_portable(const QuantLinearArgs& a, int64_t p, float* acc /* [n, 16] *
 
 constexpr int kGroup2 = 4;  // x rows per pass: 2 x 4 int32 accumulators + 4 broadcasts in ymm
 
+RHEO_AVX2_INLINE __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
 // The 4 bytes of x at p, in every 32-bit lane.
 RHEO_AVX2_INLINE __m256i broadcast4(const int8_t* p) {
   int32_t v;
@@ -136,7 +140,7 @@ RHEO_AVX2_INLINE void block_dots_avx2(QuantType type, const uint8_t* codes,
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         // maddubs wants u8 * s8: |w| * (x with w's sign), exact (|w| <= 128).
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64 + 32 * h));
+        const __m256i w = load32(codes + c * 64 + 32 * h);
         const __m256i aw = _mm256_abs_epi8(w);
         for (int g = 0; g < G; ++g)
           isum[g][h] = _mm256_add_epi32(isum[g][h], dot4(aw, _mm256_sign_epi8(xb[g], w)));
@@ -148,10 +152,13 @@ RHEO_AVX2_INLINE void block_dots_avx2(QuantType type, const uint8_t* codes,
 #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
     __m256i lo_x[G], hi_x[G];
-    for (int g = 0; g < G; ++g) lo_x[g] = broadcast4(xq[g] + 4 * c), hi_x[g] = broadcast4(xq[g] + 16 + 4 * c);
+    for (int g = 0; g < G; ++g) {
+      lo_x[g] = broadcast4(xq[g] + 4 * c);
+      hi_x[g] = broadcast4(xq[g] + 16 + 4 * c);
+    }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64 + 32 * h));
+      const __m256i v = load32(codes + c * 64 + 32 * h);
       const __m256i lo = _mm256_and_si256(v, low4);                         // columns 4c + j
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);   // columns 16 + 4c + j
       for (int g = 0; g < G; ++g) {
@@ -172,9 +179,9 @@ RHEO_AVX2_INLINE void group_avx2(const QuantLinearArgs& a, const uint8_t* record
   __m256i isum[G][2];
   block_dots_avx2<G>(a.type, record + (has_m ? 64 : 32), xq, isum);
   for (int h = 0; h < 2; ++h) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record) + h));
-    const __m256 m = has_m ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record) + 2 + h))
-                           : _mm256_setzero_ps();
+    const __m128i* halves = reinterpret_cast<const __m128i*>(record);  // 8 fp16 each
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
+    const __m256 m = has_m ? _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h)) : _mm256_setzero_ps();
     for (int g = 0; g < G; ++g) {
       const int64_t ib = (i0 + g) * nb + b;
       __m256i is = isum[g][h];
@@ -212,7 +219,8 @@ RHEO_AVX2 void panel_avx2(const QuantLinearArgs& a, int64_t p, float* acc) {
 // --- AVX-512 VNNI path: 16 lanes = the whole panel ---------------------------------------------
 
 #define RHEO_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
-#define RHEO_VNNI_INLINE __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"), always_inline)) inline
+#define RHEO_VNNI_INLINE \
+  __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"), always_inline)) inline
 
 constexpr int kGroup512 = 8;  // x rows per pass
 
@@ -239,7 +247,8 @@ RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record
 #pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) {
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + c * 64), flip);
-      for (int g = 0; g < G; ++g) isum[g] = _mm512_dpbusd_epi32(isum[g], w, broadcast4_512(xq[g] + 4 * c));
+      for (int g = 0; g < G; ++g)
+        isum[g] = _mm512_dpbusd_epi32(isum[g], w, broadcast4_512(xq[g] + 4 * c));
     }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -254,9 +263,9 @@ RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record
       }
     }
   }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
-  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record) + 1))
-                         : _mm512_setzero_ps();
+  const __m256i* halves = reinterpret_cast<const __m256i*>(record);  // 16 fp16 each
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)) : _mm512_setzero_ps();
   const int32_t offset = a.type == QuantType::kQ8_0 ? 128 : a.type == QuantType::kQ4_0 ? 8 : 0;
   for (int g = 0; g < G; ++g) {
     const int64_t ib = (i0 + g) * nb + b;

@@ -61,7 +61,8 @@ __device__ __forceinline__ int32_t code_at(const uint8_t* codes, QuantType type,
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) quant_linear_kernel(QuantLinearArgs a) {
-  const int64_t o = a.p_begin * kQuantPanel + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t o =
+      a.p_begin * kQuantPanel + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (o >= a.p_end * kQuantPanel || o >= a.out) return;
   const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
   const bool has_m = a.type == QuantType::kQ4_1;
@@ -109,7 +110,9 @@ cudaError_t quantize_rows_q8_cuda(const QuantRowsArgs& a, cudaStream_t stream) {
     case DType::kBFloat16:
       quantize_rows_q8_kernel<__nv_bfloat16> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a);
       break;
-    case DType::kFloat32: quantize_rows_q8_kernel<float> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a); break;
+    case DType::kFloat32:
+      quantize_rows_q8_kernel<float> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a);
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -132,7 +135,9 @@ cudaError_t quant_linear_cuda(const QuantLinearArgs& a, cudaStream_t stream) {
     case DType::kBFloat16:
       quant_linear_kernel<__nv_bfloat16> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a);
       break;
-    case DType::kFloat32: quant_linear_kernel<float> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a); break;
+    case DType::kFloat32:
+      quant_linear_kernel<float> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a);
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
