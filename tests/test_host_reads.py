@@ -376,7 +376,9 @@ def test_a_batched_step_reads_once_per_batch(default_engine, method):
     operators per token fall with the batch: one target forward serves all four."""
     steps, tokens = count_batch(default_engine, 4, method)
     assert all(reads == batches for reads, batches, _ in steps), steps
-    assert sum(b for _, b, _ in steps) <= len(steps) + 4
+    # A sequence cuts its tree in its last steps (room below the tree's size; with 16 new
+    # tokens, at most its last two), and each cut can split a step once.
+    assert sum(b for _, b, _ in steps) <= len(steps) + 2 * 4
     alone, alone_tokens = count_batch(default_engine, 1, method)
     per_token = sum(ops for *_, ops in steps) / tokens
     per_token_alone = sum(ops for *_, ops in alone) / alone_tokens

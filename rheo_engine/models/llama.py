@@ -425,6 +425,12 @@ class LlamaModel:
         model.weight_formats = ", ".join(f"{k} x{counts[k]}" for k in kinds)
         return model
 
+    def quantized_kinds(self) -> str:
+        """The quantized types this model's matrices run in ("Q4_1+Q8_0"), "" when none: what
+        a step costs depends on it (tree_policy.profile_key)."""
+        held = [self.lm_head] + [w for layer in self.layers for w in vars(layer).values()]
+        return "+".join(sorted({w.qtype for w in held if isinstance(w, QuantWeight)}))
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.cfg
         return KVCache(

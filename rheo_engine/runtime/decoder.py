@@ -548,7 +548,7 @@ class BatchDecoder:
             return costs_from_profile(pinned)
         target = self.target
         tp = 1 if target.tp is None else target.tp.size
-        key = costs_key(target.cfg, target.device, target.dtype, tp)
+        key = costs_key(target.cfg, target.device, target.dtype, tp, target.quantized_kinds())
         costs = self.profiles.get(key) or cached_costs(key)
         if costs is None:
             start = time.perf_counter()
@@ -758,7 +758,7 @@ class BatchDecoder:
             pool = pool_kind(cfg.method, request.sampling.temperature)
             tp = 1 if target.tp is None else target.tp.size
             key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk,
-                              tp)  # fmt: skip
+                              tp, target.quantized_kinds())  # fmt: skip
             profile = request.cost_profile
             if isinstance(profile, CostProfile):
                 if profile.key != key:

@@ -129,13 +129,16 @@ def keep_costs(costs: StepCosts) -> None:
     write_kept(kept_file("lookup-costs", costs.key), asdict(costs))
 
 
-def costs_key(target_cfg, device: torch.device, dtype: torch.dtype, tensor_parallel: int) -> str:
+def costs_key(target_cfg, device: torch.device, dtype: torch.dtype, tensor_parallel: int,
+              weights: str = "") -> str:  # fmt: skip
+    """What lookup step costs were measured for (``weights``: as tree_policy.profile_key)."""
     t = target_cfg
     parallel = f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    held = f", weights {weights}" if weights else ""
     return (
         f"lookup steps: target {t.num_hidden_layers}x{t.hidden_size}/{t.intermediate_size} "
         f"V{t.vocab_size}, {device.type}, {str(dtype).replace('torch.', '')}, "
-        f"{torch.get_num_threads()} threads{parallel}"
+        f"{torch.get_num_threads()} threads{parallel}{held}"
     )
 
 
