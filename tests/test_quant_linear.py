@@ -70,6 +70,33 @@ def test_activation_quantization_follows_the_rule(dtype):
     assert int(got[0].abs().max()) == 127
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_cpu_path_quantizes_activations_to_the_same_bits(level, dtype):
+    require(level)
+    x = (torch.randn(7, 160) * 3).to(dtype)
+    x[0, :32] = torch.arange(32) - 15.5  # amax 15.5: codes at exact ties (x.5 -> even)
+    x[1, 32:64] = 0
+    x[1, 64:96] = -0.0
+    x[2, 7], x[2, 40], x[2, 70] = float("nan"), float("inf"), -float("inf")  # NaN skipped, inf
+    x[3, 96:128] = torch.tensor(1, dtype=torch.int16).view(torch.bfloat16).to(dtype)  # 9e-41:
+    # a subnormal amax, 127 / amax = inf
+    x[4, 128:160] = torch.linspace(-1, 1, 32).to(dtype) * 1e-40
+    x[5, 0] = float("nan")
+    x[5, 1:32] = 0  # a block of NaN and zeros
+    with dispatch("default"):
+        base = kernels.quantize_rows_q8(x)
+    with dispatch(level):
+        other = kernels.quantize_rows_q8(x)
+    assert_same_bits(base, other, level)
+    finite = [0, 1, 6]  # rows without NaN / inf / subnormal scales: the header's rule in torch
+    want = reference_q8(x[finite])
+    for name, a, b in zip(("xq", "xd", "xs", "xm"), (t[finite] for t in other), want, strict=True):
+        assert torch.equal(a, b), name
+    assert int(base[0][0, :32].abs().max()) == 127 and int(base[2][5, 0]) == 0
+    assert (base[0][3, 96:128] == 127).all()  # v * inf clamped
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_kernel_equals_the_q8_reference_within_float32_rounding(qtype):
     w = weight(qtype, 50, 192, seed=1)  # 50 rows: a padded last panel

@@ -316,15 +316,23 @@ PanelFn panel_fn() {
   return &panel_portable;
 }
 
-}  // namespace
+// --- activation quantization (the header's rule; every path gives the same bits) ---------------
+//
+// amax is a max over |x| (NaN skipped: `av > amax` is false for it), exact in any order; the
+// codes are elementwise IEEE steps (v * id, round to nearest even, NaN -> 0, clamp) and their sum
+// is an int32, so the vector paths below give the portable loop's bits.
 
-void quantize_rows_q8_cpu(const QuantRowsArgs& a) {
-  RHEO_CHECK(a.n >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
-             "quantize_rows_q8 needs n >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in);
-  RHEO_CHECK(a.x_stride >= a.in, "quantize_rows_q8 needs x_stride >= in=", a.in, ", got ",
-             a.x_stride);
-  RHEO_CHECK(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat32,
-             "quantize_rows_q8 takes bfloat16 or float32 x; convert x");
+// The block's scale, sum and Q4_1 term from amax and the sum of its codes.
+inline void block_scales(const QuantRowsArgs& a, int64_t ib, float amax, int32_t sum) {
+  const float d = amax / 127.0f;
+  a.xd[ib] = d;
+  a.xs[ib] = sum;
+  a.xm[ib] = d * static_cast<float>(sum);
+}
+
+inline float inverse_scale(float amax) { return amax != 0.0f ? 127.0f / amax : 0.0f; }
+
+void quantize_portable(const QuantRowsArgs& a) {
   const int64_t nb = a.in / kQuantBlock;
   for (int64_t i = 0; i < a.n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -335,7 +343,7 @@ void quantize_rows_q8_cpu(const QuantRowsArgs& a) {
         const float av = std::fabs(v[k]);
         amax = av > amax ? av : amax;
       }
-      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      const float id = inverse_scale(amax);
       int32_t sum = 0;
       for (int k = 0; k < kQuantBlock; ++k) {
         float q = std::nearbyint(v[k] * id);  // ties to even (the default rounding mode)
@@ -344,12 +352,131 @@ void quantize_rows_q8_cpu(const QuantRowsArgs& a) {
         a.xq[i * a.in + b * kQuantBlock + k] = static_cast<int8_t>(qi);
         sum += qi;
       }
-      const float d = amax / 127.0f;
-      a.xd[i * nb + b] = d;
-      a.xs[i * nb + b] = sum;
-      a.xm[i * nb + b] = d * static_cast<float>(sum);
+      block_scales(a, i * nb + b, amax, sum);
     }
   }
+}
+
+#ifdef RHEO_HAVE_X86_PATHS
+// AVX2: a block is 4 vectors of 8 floats.
+RHEO_AVX2_INLINE __m256 load8_x(const QuantRowsArgs& a, int64_t e) {
+  if (a.dtype == DType::kFloat32) return _mm256_loadu_ps(static_cast<const float*>(a.x) + e);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      static_cast<const uint16_t*>(a.x) + e));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+RHEO_AVX2 void quantize_avx2(const QuantRowsArgs& a) {
+  const int64_t nb = a.in / kQuantBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256 lo = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < a.n; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 v[4];
+      __m256 m = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        v[c] = load8_x(a, i * a.x_stride + b * kQuantBlock + 8 * c);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), m);  // |v| > m ? |v| : m (NaN: m)
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
+      const __m256 id = _mm256_set1_ps(inverse_scale(amax));
+      __m256i q[4];
+      __m256i sum = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[c], id),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));  // NaN -> 0
+        r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        q[c] = _mm256_cvtps_epi32(r);
+        sum = _mm256_add_epi32(sum, q[c]);
+      }
+      // int32 -> int8 (in range: no saturation), back into column order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                               _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.xq + i * a.in + b * kQuantBlock),
+                          _mm256_permutevar8x32_epi32(bytes, order));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      block_scales(a, i * nb + b, amax, _mm_cvtsi128_si32(s4));
+    }
+  }
+}
+
+// AVX-512: a block is 2 vectors of 16 floats.
+// (GCC 12 flags the intrinsics' own _mm512_undefined_* passthroughs as maybe-uninitialized.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+RHEO_VNNI_INLINE __m512 load16_x(const QuantRowsArgs& a, int64_t e) {
+  if (a.dtype == DType::kFloat32) return _mm512_loadu_ps(static_cast<const float*>(a.x) + e);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      static_cast<const uint16_t*>(a.x) + e));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+RHEO_VNNI void quantize_avx512(const QuantRowsArgs& a) {
+  const int64_t nb = a.in / kQuantBlock;
+  const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  for (int64_t i = 0; i < a.n; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t e = i * a.x_stride + b * kQuantBlock;
+      const __m512 v0 = load16_x(a, e), v1 = load16_x(a, e + 16);
+      __m512 m = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps());  // NaN: 0
+      m = _mm512_max_ps(_mm512_abs_ps(v1), m);
+      __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(m),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
+      const __m512 id = _mm512_set1_ps(inverse_scale(amax));
+      __m512i q[2];
+      const __m512 v[2] = {v0, v1};
+      for (int c = 0; c < 2; ++c) {
+        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[c], id),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r);  // NaN -> 0
+        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        q[c] = _mm512_cvtps_epi32(r);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq + i * a.in + b * kQuantBlock + 16 * c),
+                         _mm512_cvtepi32_epi8(q[c]));
+      }
+      block_scales(a, i * nb + b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1])));
+    }
+  }
+}
+#pragma GCC diagnostic pop
+#endif  // RHEO_HAVE_X86_PATHS
+
+using QuantizeFn = void (*)(const QuantRowsArgs&);
+
+QuantizeFn quantize_fn() {
+#ifdef RHEO_HAVE_X86_PATHS
+  static const bool avx512 = __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  const cpu::Isa level = cpu::active_isa();
+  if (avx512 && level >= cpu::Isa::kAvx512) return &quantize_avx512;
+  if (avx2 && level >= cpu::Isa::kAvx2) return &quantize_avx2;
+#endif
+  return &quantize_portable;
+}
+
+}  // namespace
+
+void quantize_rows_q8_cpu(const QuantRowsArgs& a) {
+  RHEO_CHECK(a.n >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
+             "quantize_rows_q8 needs n >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in);
+  RHEO_CHECK(a.x_stride >= a.in, "quantize_rows_q8 needs x_stride >= in=", a.in, ", got ",
+             a.x_stride);
+  RHEO_CHECK(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat32,
+             "quantize_rows_q8 takes bfloat16 or float32 x; convert x");
+  quantize_fn()(a);
 }
 
 void quant_linear_cpu(const QuantLinearArgs& a) {
