@@ -164,6 +164,43 @@ def test_every_cpu_path_gives_the_same_bits(level, qtype):
         with dispatch(level):
             other = kernels.quant_linear(x, w.packed, qtype, 96)
         assert_same_bits(base, other, f"{level} n={n}")
+    # a part-filled last panel, float32 and bf16 y, a NaN scale (NaN outputs) and +-inf ones
+    raw = random_blocks(qtype, 50, 64, seed=6)
+    raw[3, 1, :2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    raw[7, 0, :2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    raw[49, 1, :2] = torch.tensor([-float("inf")], dtype=torch.float16).view(torch.uint8)
+    w = QuantWeight.from_blocks(qtype, raw, (50, 64))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(9, 64).to(dtype)
+        with dispatch("default"):
+            base = kernels.quant_linear(x, w.packed, qtype, 50)
+        with dispatch(level):
+            other = kernels.quant_linear(x, w.packed, qtype, 50)
+        assert base[:, 3].isnan().all() and base[:, 7].isinf().any(), "the NaN / inf columns"
+        assert_same_bits(base, other, f"{level} {dtype} out=50")
+
+
+@pytest.mark.parametrize("level", ["default"] + LEVELS)
+def test_bf16_y_rounds_ties_to_even_on_every_path(level):
+    if level != "default":
+        require(level)
+    # Q8_0, d = 1, x = [127, 1, 0, ...] (xd = 1): y = 2 * 127 + c exactly, c odd: 257..509,
+    # every one a bf16 tie (8 significant bits); 19 rows: a part-filled second panel.
+    out = 19
+    raw = torch.zeros(out, 1, 34, dtype=torch.uint8)
+    raw[:, 0, :2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    codes = torch.zeros(out, 32, dtype=torch.int8)
+    codes[:, 0] = 2
+    codes[:, 1] = torch.arange(out, dtype=torch.int8) * 6 + 3
+    raw[:, 0, 2:] = codes.view(torch.uint8)
+    w = QuantWeight.from_blocks("q8_0", raw, (out, 32))
+    x = torch.zeros(3, 32)
+    x[:, 0], x[:, 1] = 127, 1
+    with dispatch(level):
+        y32 = kernels.quant_linear(x, w.packed, "q8_0", out)
+        y16 = kernels.quant_linear(x.to(torch.bfloat16), w.packed, "q8_0", out)
+    assert torch.equal(y32[0], 254 + codes[:, 1].float())
+    assert_same_bits(y16, y32.to(torch.bfloat16), f"{level} bf16 rounding")
 
 
 def test_quantize_q8_0_is_llama_cpp_rule():

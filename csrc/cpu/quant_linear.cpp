@@ -49,6 +49,13 @@ inline void store_y(const QuantLinearArgs& a, int64_t i, int64_t o, float v) {
     static_cast<float*>(a.y)[i * a.y_stride + o] = v;
 }
 
+// y's columns of panel p from its sums acc [n, 16], each rounded once to y's dtype.
+void store_portable(const QuantLinearArgs& a, int64_t p, const float* acc) {
+  const int64_t rows = std::min(kQuantPanel, a.out - p * kQuantPanel);
+  for (int64_t i = 0; i < a.n; ++i)
+    for (int64_t r = 0; r < rows; ++r) store_y(a, i, p * kQuantPanel + r, acc[i * kQuantPanel + r]);
+}
+
 // The float step of one (row, block) for one lane, as the header defines it.
 inline float block_step(float acc, float d_w, float m_w, float xd, float xm, int32_t isum,
                         bool has_m) {
@@ -99,6 +106,7 @@ void panel_portable(const QuantLinearArgs& a, int64_t p, float* acc /* [n, 16] *
       }
     }
   }
+  store_portable(a, p, acc);
 }
 
 #ifdef RHEO_HAVE_X86_PATHS
@@ -207,6 +215,36 @@ RHEO_AVX2_INLINE void rows_avx2(const QuantLinearArgs& a, const uint8_t* panel, 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (i0 + g) * kQuantPanel + 8 * h, accv[g][h]);
 }
 
+// 8 floats rounded to bf16 as cpu::float_to_bf16 (to nearest even; NaN kept quiet), in 8 lanes.
+RHEO_AVX2_INLINE __m128i bf16_of8(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i round = _mm256_add_epi32(
+      _mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)),
+      _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1)));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x400000));  // bit 6 of the bf16
+  const __m256i h = _mm256_srli_epi32(_mm256_blendv_epi8(round, quiet, nan), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8));
+}
+
+// store_portable, a full panel's 16 columns as 2 vectors per row.
+RHEO_AVX2_INLINE void store_avx2(const QuantLinearArgs& a, int64_t p, const float* acc) {
+  if (a.out - p * kQuantPanel < kQuantPanel) return store_portable(a, p, acc);
+  for (int64_t i = 0; i < a.n; ++i) {
+    const float* s = acc + i * kQuantPanel;
+    const int64_t o = i * a.y_stride + p * kQuantPanel;
+    if (a.dtype == DType::kFloat32) {
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(static_cast<float*>(a.y) + o + 8 * h, _mm256_loadu_ps(s + 8 * h));
+    } else {
+      for (int h = 0; h < 2; ++h)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.y) + o + 8 * h),
+                         bf16_of8(_mm256_loadu_ps(s + 8 * h)));
+    }
+  }
+}
+
 RHEO_AVX2 void panel_avx2(const QuantLinearArgs& a, int64_t p, float* acc) {
   const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
   const uint8_t* panel = a.w + p * nb * rec;
@@ -214,7 +252,12 @@ RHEO_AVX2 void panel_avx2(const QuantLinearArgs& a, int64_t p, float* acc) {
   for (; i0 + kGroup2 <= a.n; i0 += kGroup2) rows_avx2<kGroup2>(a, panel, i0, acc);
   for (; i0 + 2 <= a.n; i0 += 2) rows_avx2<2>(a, panel, i0, acc);
   for (; i0 < a.n; ++i0) rows_avx2<1>(a, panel, i0, acc);
+  store_avx2(a, p, acc);
 }
+
+// GCC 12 flags the AVX-512 intrinsics' own _mm512_undefined_* passthroughs as maybe-uninitialized.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // --- AVX-512 VNNI path: 16 lanes = the whole panel ---------------------------------------------
 
@@ -290,6 +333,30 @@ RHEO_VNNI_INLINE void rows_vnni(const QuantLinearArgs& a, const uint8_t* panel, 
   for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + (i0 + g) * kQuantPanel, accv[g]);
 }
 
+// store_portable in 16 lanes: a row's columns of the panel in one (masked) store.
+RHEO_VNNI_INLINE void store_vnni(const QuantLinearArgs& a, int64_t p, const float* acc) {
+  const int64_t rows = std::min(kQuantPanel, a.out - p * kQuantPanel);
+  const __mmask16 k = static_cast<__mmask16>((1u << rows) - 1);
+  for (int64_t i = 0; i < a.n; ++i) {
+    const __m512 v = _mm512_loadu_ps(acc + i * kQuantPanel);
+    const int64_t o = i * a.y_stride + p * kQuantPanel;
+    if (a.dtype == DType::kFloat32) {
+      _mm512_mask_storeu_ps(static_cast<float*>(a.y) + o, k, v);
+      continue;
+    }
+    // as cpu::float_to_bf16: to nearest even, a NaN kept with its quiet bit set
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i round = _mm512_add_epi32(
+        _mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)),
+        _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    const __m512i quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x400000));
+    const __m512i h = _mm512_srli_epi32(_mm512_mask_mov_epi32(round, nan, quiet), 16);
+    _mm512_mask_cvtepi32_storeu_epi16(static_cast<uint16_t*>(a.y) + o, k, h);
+  }
+}
+
 RHEO_VNNI void panel_vnni(const QuantLinearArgs& a, int64_t p, float* acc) {
   const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
   const uint8_t* panel = a.w + p * nb * rec;
@@ -298,9 +365,12 @@ RHEO_VNNI void panel_vnni(const QuantLinearArgs& a, int64_t p, float* acc) {
   for (; i0 + 4 <= a.n; i0 += 4) rows_vnni<4>(a, panel, i0, acc);
   for (; i0 + 2 <= a.n; i0 += 2) rows_vnni<2>(a, panel, i0, acc);
   for (; i0 < a.n; ++i0) rows_vnni<1>(a, panel, i0, acc);
+  store_vnni(a, p, acc);
 }
+#pragma GCC diagnostic pop
 #endif  // RHEO_HAVE_X86_PATHS
 
+// A panel: its sums into acc [n, 16] (zeroed by the caller), then y's 16 columns from them.
 using PanelFn = void (*)(const QuantLinearArgs&, int64_t, float*);
 
 PanelFn panel_fn() {
@@ -408,7 +478,6 @@ RHEO_AVX2 void quantize_avx2(const QuantRowsArgs& a) {
 }
 
 // AVX-512: a block is 2 vectors of 16 floats.
-// (GCC 12 flags the intrinsics' own _mm512_undefined_* passthroughs as maybe-uninitialized.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 RHEO_VNNI_INLINE __m512 load16_x(const QuantRowsArgs& a, int64_t e) {
@@ -496,11 +565,7 @@ void quant_linear_cpu(const QuantLinearArgs& a) {
   std::vector<float> acc(a.n * kQuantPanel);  // [n, 16] running sums of one panel
   for (int64_t p = a.p_begin; p < a.p_end; ++p) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    fn(a, p, acc.data());
-    const int64_t rows = std::min(kQuantPanel, a.out - p * kQuantPanel);
-    for (int64_t i = 0; i < a.n; ++i)
-      for (int64_t r = 0; r < rows; ++r)
-        store_y(a, i, p * kQuantPanel + r, acc[i * kQuantPanel + r]);
+    fn(a, p, acc.data());  // and y's columns of panel p
   }
 }
 
