@@ -6,10 +6,22 @@ then times each kernel paired with F.linear (common.Timer.pair: interleaved, L2 
 each call, medians). Prints one markdown row per (matrix, rows): the µs of each, each one's
 speed-up over F.linear, the Q4_1 kernel's t(n)/t(1) and the GB/s of W it read.
 
+``--target`` instead times SmolLM2's target forward (LlamaModel.forward) over n tree rows after a
+300-token context and the prefill of that context, the Q4_1 file kept quantized against the same
+file dequantized to bf16 (interleaved, medians): t(n)/t(1) and prefill tokens/s of each.
+
+``--against SO`` (with the kernel table or ``--target``) times this build's Q4_1 kernel against
+the one in another build's extension (e.g. a checkout of an older commit built in /tmp: its
+rheo_engine/_C*.so, loaded beside this one), paired and interleaved in one process, after checking
+that both give the same bits.
+
 ``--e2e`` instead runs SmolLM2's `ar` decoding on the Q4_1 file kept quantized against the same
 file dequantized to bf16 (two engines, generations interleaved, median tokens/s of each).
 
     python bench/bench_quant_linear.py [--rows 1,2,4,8,16,32] [--threads 1]
+    python bench/bench_quant_linear.py --target [--rows 1,4,16] [--repeats 15]
+    python bench/bench_quant_linear.py --against /tmp/old/rheo_engine/_C.cpython-311-x86_64-linux-gnu.so
+        [--rows 1,4,16,64] | --target --rows 1,4,16
     python bench/bench_quant_linear.py --e2e [--tokens 64] [--pairs 5]
 """
 
@@ -47,6 +59,46 @@ def q4_1_of(w: torch.Tensor):
     return QuantWeight.from_blocks("q4_1", torch.cat([head, qs], -1), (out, in_))
 
 
+def load_extension(path: str):
+    """Another build's rheo_engine._C, loaded beside this one (pybind11: no registry clash)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rheo_engine_before._C", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def quant_linear_with(ext, x: torch.Tensor, w, qtype_id: int = 2) -> torch.Tensor:
+    """``kernels.quant_linear`` (Q4_1 by default) run by the extension ``ext``."""
+    y = x.new_empty((*x.shape[:-1], w.shape[0]))
+    ext.quant_linear(x, w.packed, qtype_id, w.shape[0], y)
+    return y
+
+
+def against_bench(rows: list[int], path: str) -> None:
+    """Q4_1 µs of this build against ``path``'s, per SmolLM2 matrix and row count."""
+    old = load_extension(path)
+    torch.set_num_threads(1)
+    timer = Timer("cpu", flush=True, budget_s=0.6)
+    print(f"# {isa_line()}, 1 thread, commit {commit_id()} against {path}")
+    print("| matrix | n | before µs | after µs | speed-up | before t(n)/t(1) | "
+          "after t(n)/t(1) | after µs per row |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (out, in_) in SMOLLM2:
+        q4 = q4_1_of((torch.randn(out, in_) * 0.05).to(torch.bfloat16))
+        t1 = None
+        for n in rows:
+            x = torch.randn(n, in_).to(torch.bfloat16)
+            a, b = q4.matmul(x), quant_linear_with(old, x, q4)
+            if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+                raise SystemExit(f"{name} n={n}: this build and {path} differ")
+            tnew, told = timer.pair(lambda: q4.matmul(x), lambda: quant_linear_with(old, x, q4))
+            t1 = (told, tnew) if t1 is None else t1
+            print(f"| {name} {out}x{in_} | {n} | {told:.1f} | {tnew:.1f} | {told / tnew:.2f} | "
+                  f"{told / t1[0]:.2f} | {tnew / t1[1]:.2f} | {tnew / n:.1f} |")  # fmt: skip
+
+
 def kernels_bench(rows: list[int], threads: int) -> None:
     torch.set_num_threads(threads)
     timer = Timer("cpu", flush=True, budget_s=0.6)
@@ -74,6 +126,71 @@ def kernels_bench(rows: list[int], threads: int) -> None:
             print(f"| {name} {out}x{in_} | {n} | {torch_us:.1f} | {tsk:.1f} | {tq8:.1f} | "
                   f"{tq4:.1f} | {th3 / tsk:.2f} | {th2 / tq8:.2f} | {th / tq4:.2f} | "
                   f"{tq4 / t1:.2f} | {gbs:.1f} |")  # fmt: skip
+
+
+class _Before:
+    """kernels' ``_C`` with quant_linear taken from another build (``--against``)."""
+
+    def __init__(self, new, old) -> None:
+        self._new, self.quant_linear = new, old.quant_linear
+
+    def __getattr__(self, name: str):
+        return getattr(self._new, name)
+
+
+def target_bench(rows: list[int], repeats: int, against: str | None, context: int = 300) -> None:
+    """With ``against``, the Q4_1 model's kernel calls switch between this build ("after") and
+    ``against``'s ("before") around each forward, all interleaved."""
+    from rheo_engine.runtime.engine import Engine
+
+    torch.set_num_threads(1)
+    q4 = Engine.from_pretrained(pair="smollm2", threads=1).target
+    models = {"Q4_1 kept": q4}
+    exts = {"Q4_1 kept": kernels._C}
+    if against:
+        models = {"Q4_1 kept, before": q4, "Q4_1 kept, after": q4}
+        exts = {"Q4_1 kept, before": _Before(kernels._C, load_extension(against)),
+                "Q4_1 kept, after": kernels._C}  # fmt: skip
+    models["bf16 dequantized"] = Engine.from_pretrained(pair="smollm2", threads=1,
+                                                        quantized=False).target  # fmt: skip
+    exts["bf16 dequantized"] = kernels._C
+    prompt = torch.arange(5, 5 + context)[None] % q4.cfg.vocab_size
+    caches = {k: m.new_cache(context + max(rows) + 1) for k, m in models.items()}
+    prefill: dict[str, list[float]] = {k: [] for k in models}
+    times: dict[tuple[str, int], list[float]] = {}
+    with torch.no_grad():
+        for i in range(4):  # the prefill, last row's logits only, as the engine runs it
+            for k, m in models.items():
+                kernels._C = exts[k]
+                t0 = time.perf_counter()
+                m.forward(prompt, torch.arange(context)[None], caches[k], last_logits_only=True)
+                if i:
+                    prefill[k].append(time.perf_counter() - t0)
+        for c in caches.values():
+            c.advance(context)
+        for i in range(repeats + 2):
+            for k, m in models.items():
+                kernels._C = exts[k]
+                for n in rows:  # a chain of n rows (causal mask): the cost of n tree nodes
+                    tokens = torch.arange(7, 7 + n)[None]
+                    positions = torch.arange(context, context + n)[None]
+                    t0 = time.perf_counter()
+                    m.forward(tokens, positions, caches[k])
+                    if i >= 2:
+                        times.setdefault((k, n), []).append(time.perf_counter() - t0)
+    kernels._C = exts["bf16 dequantized"]
+    print(f"# SmolLM2-135M-Instruct target forward over n rows after {context} tokens, 1 thread, "
+          f"{isa_line()}, commit {commit_id()}")  # fmt: skip
+    print("| weights | " + " | ".join(f"n = {n}" for n in rows) + f" | prefill {context} |")
+    print("|---|" + "---|" * (len(rows) + 1))
+    for k in models:
+        t1 = statistics.median(times[(k, rows[0])])
+        cells = [f"{t1 * 1e3:.1f} ms"]
+        for n in rows[1:]:
+            tn = statistics.median(times[(k, n)])
+            cells.append(f"{tn / t1:.2f} ({tn * 1e3:.1f} ms)")
+        cells.append(f"{context / statistics.median(prefill[k]):.0f} tokens/s")
+        print(f"| {k} | " + " | ".join(cells) + " |")
 
 
 def e2e_bench(tokens: int, pairs: int) -> None:
@@ -105,10 +222,18 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--e2e", action="store_true")
+    p.add_argument("--target", action="store_true")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--against", help="another build's rheo_engine/_C*.so: before / after")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--pairs", type=int, default=5)
     args = p.parse_args()
-    if args.e2e:
+    p_rows = [int(r) for r in args.rows.split(",")]
+    if args.target:
+        target_bench(p_rows, args.repeats, args.against)
+    elif args.against:
+        against_bench(p_rows, args.against)
+    elif args.e2e:
         e2e_bench(args.tokens, args.pairs)
     else:
         kernels_bench([int(r) for r in args.rows.split(",")], args.threads)
