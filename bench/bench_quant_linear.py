@@ -20,8 +20,8 @@ file dequantized to bf16 (two engines, generations interleaved, median tokens/s 
 
     python bench/bench_quant_linear.py [--rows 1,2,4,8,16,32] [--threads 1]
     python bench/bench_quant_linear.py --target [--rows 1,4,16] [--repeats 15]
-    python bench/bench_quant_linear.py --against /tmp/old/rheo_engine/_C.cpython-311-x86_64-linux-gnu.so
-        [--rows 1,4,16,64] | --target --rows 1,4,16
+    python bench/bench_quant_linear.py --against OLD.so [--qtype q8_0] [--rows 1,4,16,64]
+    python bench/bench_quant_linear.py --target --against OLD.so --rows 1,4,16
     python bench/bench_quant_linear.py --e2e [--tokens 64] [--pairs 5]
 """
 
@@ -76,24 +76,28 @@ def quant_linear_with(ext, x: torch.Tensor, w, qtype_id: int = 2) -> torch.Tenso
     return y
 
 
-def against_bench(rows: list[int], path: str) -> None:
-    """Q4_1 µs of this build against ``path``'s, per SmolLM2 matrix and row count."""
+def against_bench(rows: list[int], path: str, qtype: str) -> None:
+    """``qtype`` (q4_1 or q8_0) µs of this build against ``path``'s, per SmolLM2 matrix and
+    row count."""
     old = load_extension(path)
     torch.set_num_threads(1)
     timer = Timer("cpu", flush=True, budget_s=0.6)
-    print(f"# {isa_line()}, 1 thread, commit {commit_id()} against {path}")
+    print(f"# {qtype}, {isa_line()}, 1 thread, commit {commit_id()} against {path}")
     print("| matrix | n | before µs | after µs | speed-up | before t(n)/t(1) | "
           "after t(n)/t(1) | after µs per row |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for name, (out, in_) in SMOLLM2:
-        q4 = q4_1_of((torch.randn(out, in_) * 0.05).to(torch.bfloat16))
+        w = (torch.randn(out, in_) * 0.05).to(torch.bfloat16)
+        q4 = q4_1_of(w) if qtype == "q4_1" else quantize_q8_0(w)
+        qid = 2 if qtype == "q4_1" else 0
         t1 = None
         for n in rows:
             x = torch.randn(n, in_).to(torch.bfloat16)
-            a, b = q4.matmul(x), quant_linear_with(old, x, q4)
+            a, b = q4.matmul(x), quant_linear_with(old, x, q4, qid)
             if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
                 raise SystemExit(f"{name} n={n}: this build and {path} differ")
-            tnew, told = timer.pair(lambda: q4.matmul(x), lambda: quant_linear_with(old, x, q4))
+            tnew, told = timer.pair(lambda: q4.matmul(x),
+                                    lambda: quant_linear_with(old, x, q4, qid))  # fmt: skip
             t1 = (told, tnew) if t1 is None else t1
             print(f"| {name} {out}x{in_} | {n} | {told:.1f} | {tnew:.1f} | {told / tnew:.2f} | "
                   f"{told / t1[0]:.2f} | {tnew / t1[1]:.2f} | {tnew / n:.1f} |")  # fmt: skip
@@ -225,6 +229,7 @@ def main() -> None:
     p.add_argument("--target", action="store_true")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--against", help="another build's rheo_engine/_C*.so: before / after")
+    p.add_argument("--qtype", choices=["q4_1", "q8_0"], default="q4_1", help="with --against")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--pairs", type=int, default=5)
     args = p.parse_args()
@@ -232,7 +237,7 @@ def main() -> None:
     if args.target:
         target_bench(p_rows, args.repeats, args.against)
     elif args.against:
-        against_bench(p_rows, args.against)
+        against_bench(p_rows, args.against, args.qtype)
     elif args.e2e:
         e2e_bench(args.tokens, args.pairs)
     else:

@@ -265,7 +265,7 @@ RHEO_AVX2 void panel_avx2(const QuantLinearArgs& a, int64_t p, float* acc) {
 #define RHEO_VNNI_INLINE \
   __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"), always_inline)) inline
 
-constexpr int kGroup512 = 8;  // x rows per pass
+constexpr int kGroup512 = 6;  // x rows per pass (6 measured 4-8% faster than 8 at 16-64 rows)
 
 RHEO_VNNI_INLINE __m512i broadcast4_512(const int8_t* p) {
   int32_t v;
