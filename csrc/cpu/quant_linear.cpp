@@ -156,25 +156,28 @@ RHEO_AVX2_INLINE void block_dots_avx2(QuantType type, const uint8_t* codes,
     }
     return;
   }
+  // Q4: the int16 pair sums of maddubs (|.| <= 2 * 15 * 127 = 3810) of all 8 chunk halves of the
+  // block add up exactly in int16 (|.| <= 30480 < 2^15), so one madd per block widens them.
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i s16[G][2];
+  for (int g = 0; g < G; ++g) s16[g][0] = s16[g][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
-    __m256i lo_x[G], hi_x[G];
-    for (int g = 0; g < G; ++g) {
-      lo_x[g] = broadcast4(xq[g] + 4 * c);
-      hi_x[g] = broadcast4(xq[g] + 16 + 4 * c);
-    }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load32(codes + c * 64 + 32 * h);
       const __m256i lo = _mm256_and_si256(v, low4);                         // columns 4c + j
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);   // columns 16 + 4c + j
       for (int g = 0; g < G; ++g) {
-        const __m256i s = _mm256_add_epi32(dot4(lo, lo_x[g]), dot4(hi, hi_x[g]));
-        isum[g][h] = _mm256_add_epi32(isum[g][h], s);
+        const __m256i pl = _mm256_maddubs_epi16(lo, broadcast4(xq[g] + 4 * c));
+        const __m256i ph = _mm256_maddubs_epi16(hi, broadcast4(xq[g] + 16 + 4 * c));
+        const __m256i s = _mm256_add_epi16(pl, ph);
+        s16[g][h] = _mm256_add_epi16(s16[g][h], s);
       }
     }
   }
+  for (int g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) isum[g][h] = _mm256_madd_epi16(s16[g][h], _mm256_set1_epi16(1));
 }
 
 template <int G>
