@@ -10,7 +10,8 @@ them), on the held-out windows' kept final states:
 * mass coverage: the mean target probability (T = 1) that falls on draft tokens (what the
   drafts can at best carry at T = 1);
 and, on this CPU, one thread, the time of a draft level of 16 nodes (the head's layer over a
-300-pair context + its lm_head over Vd rows) against one plain target step at the same context.
+300-pair context + its lm_head over Vd rows, bf16) against one plain target step at the same
+context (the target as the engine runs it: Q4_1 kept quantized).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rheo_engine.io.gguf import read_gguf  # noqa: E402
 from rheo_engine.models.eagle3 import Eagle3Head, init_head_weights  # noqa: E402
+from rheo_engine.models.llama import LlamaModel  # noqa: E402
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter  # noqa: E402
 from rheo_engine.train.head import head_config  # noqa: E402
 from rheo_engine.train.head_config import HeadTrainConfig  # noqa: E402
@@ -70,15 +73,17 @@ def main() -> None:
     lm = target.lm_head.float()
     probs = torch.cat([torch.softmax(torch.nn.functional.linear(h.float(), lm), -1)
                        for h in val.hidden.split(2048)])  # fmt: skip  # [P, V]
-    # A plain step at the same context: one token after a prefill of `context`.
+    # A plain step at the same context, on the target as the engine runs it (the GGUF file's
+    # Q4_1 matrices kept quantized): one token after a prefill of `context`.
+    runs = LlamaModel.from_gguf(read_gguf(gguf), dtype=torch.bfloat16)
     ids = torch.randint(3, t.vocab_size, (1, a.context + 1))
-    cache = target.new_cache(a.context + 1, 1)
+    cache = runs.new_cache(a.context + 1, 1)
     with torch.no_grad():
-        target.forward(ids[:, :-1], torch.arange(a.context).unsqueeze(0), cache)
+        runs.forward(ids[:, :-1], torch.arange(a.context).unsqueeze(0), cache)
     cache.length = a.context  # committed; each timed step writes the next row, uncommitted
 
     def plain() -> None:
-        target.forward(ids[:, -1:], torch.tensor([[a.context]]), cache)
+        runs.forward(ids[:, -1:], torch.tensor([[a.context]]), cache)
 
     with torch.no_grad():
         t_plain = fastest(plain)
