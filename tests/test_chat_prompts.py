@@ -130,7 +130,7 @@ def test_head_trains_and_evaluates_from_shards(tmp_path: Path) -> None:
     seqs = hs.read_sequences(data, [0, 1])
     assert seqs and all(len(ids) > p for ids, p in seqs)
     common = ["--data", str(data), "--target", str(DEFAULT_PAIR / "target"), "--dtype",
-              "float32", "--window", str(hs.CONTEXT + 9), "--batch", "2", "--minutes", "1.5",
+              "float32", "--positions", str(2 * (hs.CONTEXT + 9)), "--minutes", "1.5",
               "--feature-layers", "2,4,5", "--draft-vocab", "512"]  # fmt: skip
     work = tmp_path / "w"
     r1 = hs.main([*common, "--work", str(work), "--max-steps", "3"])
