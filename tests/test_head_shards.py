@@ -56,11 +56,11 @@ def test_packed_windows_batches_and_length_runs() -> None:
     assert torch.equal(p.argmax, torch.nn.functional.linear(p.hidden, lm).argmax(-1))
     tokens, features, hidden, lengths, argmax = p.batch(torch.tensor([3, 0]))
     assert tokens.shape == (2, CONTEXT + 40) and lengths.tolist() == [CONTEXT + 40, CONTEXT + 5]
-    sel = p.select([0])
-    assert torch.equal(features[1, : CONTEXT + 5], sel.features)
+    first = slice(0, CONTEXT + 5)  # window 0's positions in the packed tensors
+    assert torch.equal(features[1, first], p.features[first].float())
     assert not features[1, CONTEXT + 5 :].any() and not tokens[1, CONTEXT + 5 :].any()
-    both = Packed.cat([p, sel])
-    assert len(both) == 6 and torch.equal(both.select([5]).hidden, sel.hidden)
+    both = Packed.cat([p, p])  # window 5 is the second copy's window 0
+    assert len(both) == 10 and torch.equal(both.batch(torch.tensor([5]))[2][0], p.hidden[first])
     # Runs of similar length: every batch is a contiguous run of the length order.
     runs = LengthBatches(p, positions=2 * (CONTEXT + 12))
     gen = torch.Generator().manual_seed(0)

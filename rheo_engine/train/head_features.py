@@ -60,15 +60,6 @@ class Packed:
                       torch.cat([p.hidden for p in parts]), torch.cat([p.argmax for p in parts]),
                       offsets)  # fmt: skip
 
-    def select(self, windows: list[int]) -> Packed:
-        """The given windows only, in that order."""
-        parts = [slice(int(self.offsets[k]), int(self.offsets[k + 1])) for k in windows]
-        lengths = torch.tensor([0] + [s.stop - s.start for s in parts])
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t[s] for s in parts])
-        return Packed(take(self.tokens), take(self.features), take(self.hidden), take(self.argmax),
-                      lengths.cumsum(0))  # fmt: skip
-
     def batch(self, windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens [B, T], features [B, T, F] fp32, hidden [B, T, H], lengths [B], argmax [B, T])
         of the given windows, zero-padded to the longest of them."""

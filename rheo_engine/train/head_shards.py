@@ -1,13 +1,15 @@
 """Train (or evaluate) an EAGLE-3 head on token-id shards of smollm2_data (issue 26).
 
-    python -m rheo_engine.train.head_shards --data weights/smollm2/data --work W --minutes 60
+    python -m rheo_engine.train.head_shards --data weights/smollm2/data --work W --features-only
+    python -m rheo_engine.train.head_shards --data weights/smollm2/data --work W --max-steps 400
     python -m rheo_engine.train.head_shards --evaluate weights/smollm2/head
 
-The shards hold token ids only; the features and the target's final states are recomputed
-here by one prefill per sequence (``sequence_features``). Each sequence becomes a window of
-``CONTEXT`` prompt tokens then its reply (the window's ``prompt_len`` is CONTEXT for all), so
-windows stack into one HeadData and head_loop's Trainer trains on them unchanged: loss over the
-draft vocabulary, unrolled ``--unroll`` steps (7, as EAGLE-3 drafts), weights step_decay ** s.
+The shards hold token ids only; each shard's features, the target's final states and its
+argmax are recomputed once by one prefill per sequence and kept in ``--work/features``
+(rheo_engine.train.head_features: a window of ``CONTEXT`` prompt tokens then the reply, packed
+without padding). head_loop's Trainer trains on batches of windows of similar length
+(``--positions`` a batch): loss over the draft vocabulary, unrolled ``--unroll`` steps (7, as
+EAGLE-3 drafts), weights step_decay ** s, the head's matmuls in bf16 where this CPU is faster.
 
 Held out: shards 0 and 1 (the same prompts at T = 0 and T = 1); training uses shards 2.. .
 The schedule is fixed by ``--max-steps`` (warm-up then a cosine to that step), so a run that
