@@ -3,6 +3,7 @@
 
     python bench/op_count.py                     # smollm2 (Q4_1, bf16) and default: tables, ms
     python bench/op_count.py --pair smollm2 --compile --rows 1,4,16
+    python bench/op_count.py --head-q8 --rows 1,2,4,8,16   # a draft level, Q8_0 head vs bf16
 
 Counts come from torch.profiler over one decode step (one new token after a 32-token prefill):
 the top-level operators (those no other operator called), by name, with their count and total
@@ -182,6 +183,44 @@ def head_section(repeats: int, k: int = 10, seen: int = 64) -> None:
           f"{100 * fused_ms / plain_ms:.1f}%)")  # fmt: skip
 
 
+def head_q8_section(rows_list: list[int], repeats: int, seen: int = 200) -> None:
+    """One draft level of the smollm2 head (fused path) with its matrices in Q8_0
+    (Eagle3Head.quantize, what the engine runs beside the Q4_1 target) against bf16, at each
+    row count, beside a plain step of the Q4_1 target; and how often the two argmaxes agree."""
+    from rheo_engine.models.eagle3 import Eagle3Head
+
+    target = load("smollm2")
+    where = DEFAULT_PAIR.parent / "smollm2" / "head"
+    dense, quant = (Eagle3Head.from_pretrained(where, target) for _ in range(2))
+    quant.quantize("q8_0")
+    c, g = dense.cfg, torch.Generator().manual_seed(1)
+    step = Step(target)
+    plain_ms = statistics.median(paired_ms(step, step, step, max(5, repeats // 3))[:2])
+    print(f"\n## smollm2 head: one draft level over {seen} pairs, Q8_0 against bf16 "
+          f"(plain Q4_1 step {plain_ms:.2f} ms)")  # fmt: skip
+    print("| rows | bf16 ms | Q8_0 ms | Q8_0 / bf16 (paired) | Q8_0 level / plain step | "
+          "argmax agreement |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    for k in rows_list:
+        h = torch.randn(1, k, c.hidden_size, generator=g).to(dense.dtype)
+        tokens = torch.randint(0, c.vocab_size, (1, k), generator=g)
+        positions = torch.full((1, k), seen, dtype=torch.long)
+        past = torch.randn(1, seen, c.num_key_value_heads, c.head_dim, generator=g)
+        past = past.to(dense.dtype)
+        mask = torch.ones(1, k, seen + k, dtype=torch.bool)
+
+        def level(head):
+            def go():
+                with torch.no_grad():
+                    return head.logits(head.layer(h, tokens, positions, past, past, mask)[0])
+
+            return go
+
+        bf16_ms, q8_ms, ratio = paired_ms(None, level(dense), level(quant), repeats)
+        agree = (level(dense)().argmax(-1) == level(quant)().argmax(-1)).float().mean().item()
+        print(f"| {k} | {bf16_ms:.2f} | {q8_ms:.2f} | {ratio:.3f} | {100 * q8_ms / plain_ms:.0f}%"
+              f" | {agree:.2f} |")  # fmt: skip
+
+
 def compile_section(rows_list: list[int], repeats: int) -> None:
     """torch.compile (Inductor) of the fused forward's torch path vs the fused eager path."""
     model = load("smollm2-bf16")  # Inductor cannot trace rheo's packed Q4_1 weights either
@@ -219,10 +258,15 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
     p.add_argument("--rows", default="1,4,16", help="row counts for --compile")
     p.add_argument("--no-count", action="store_true", help="only the --compile section")
+    p.add_argument("--head-q8", action="store_true",
+                   help="only a draft level in Q8_0 against bf16, at --rows")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, rheo ISA "
           f"{kernels.cpu_isa()}, 1 thread")  # fmt: skip
+    if args.head_q8:
+        head_q8_section([int(r) for r in args.rows.split(",")], args.repeats)
+        return
     if not args.no_count:
         everything = ["smollm2", "smollm2-bf16", "default"]
         for pair in everything if args.pair == "all" else [args.pair]:

@@ -9,6 +9,9 @@
 - ``quantize="q8_0"`` on the default pair: speculation stays lossless with respect to the
   quantized target (G-test of the first two tokens against its exact law, with the negative
   control at a wrong temperature) and greedy methods equal `ar`.
+- The head follows a quantized target: its matrices are held in Q8_0 (Eagle3Head.quantize), its
+  draft logits stay near the float head's, the cost profile's key names it, and the tests above
+  (greedy, the G-test with drafts accepted) run with it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from test_engine import first_two_law, law_p_value, sample_first_two
 
 from rheo_engine.io.gguf import read_gguf
 from rheo_engine.models.llama import LlamaModel, resident_weight_bytes
+from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.quant import QuantWeight
 from rheo_engine.runtime.engine import DEFAULT_PAIR, Engine
 from rheo_engine.runtime.pairs import resolve_pair, smollm2_gguf
@@ -83,6 +87,7 @@ def _logit_error(model: LlamaModel, dense: LlamaModel) -> None:
 
 
 def test_smollm2_quantized_greedy_methods_equal_ar(smollm2_q):
+    assert smollm2_q.head.weight_formats == "Q8_0 x9"  # the head follows its Q4_1 target
     want = smollm2_q.generate(QUESTION, 32, method="ar", temperature=0, chat=True).token_ids
     for method in ("topk", "rrsw", "rheo"):
         gen = smollm2_q.generate(QUESTION, 32, method=method, temperature=0, chat=True, **TREE)
@@ -140,6 +145,49 @@ def test_quantized_default_pair_greedy_methods_equal_ar(engine_q8):
         assert gen.token_ids == want, method
 
 
+def test_the_head_follows_a_quantized_target_in_q8_0(engine_q8):
+    """Eagle3Head.quantize: every matrix with whole 32-column blocks in Q8_0 (down_proj, 688
+    columns, stays float), draft logits within the weights' rounding of the float head's on
+    the same inputs, the profile key naming it; a float target keeps a float head."""
+    head = engine_q8.head
+    assert head.weight_formats == "Q8_0 x8, float x1"
+    assert head.quantized_kinds() == "q8_0"
+    assert isinstance(head.w["lm_head.weight"], QuantWeight)
+    dense = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", engine_q8.target)
+    assert dense.quantized_kinds() == "" and dense.weight_formats == "float x9"
+    c, g = head.cfg, torch.Generator().manual_seed(3)
+    k, seen = 6, 20
+    features = torch.randn(1, k, len(c.feature_layers) * c.target_hidden_size, generator=g)
+    tokens = torch.randint(0, c.vocab_size, (1, k), generator=g)
+    positions = torch.full((1, k), seen)
+    past = torch.randn(1, seen, c.num_key_value_heads, c.head_dim, generator=g)
+    mask = torch.ones(1, k, seen + k, dtype=torch.bool)
+
+    def level(x: Eagle3Head) -> torch.Tensor:
+        with torch.no_grad():
+            h2 = x.layer(x.fuse(features), tokens, positions, past, past, mask)[0]
+            return x.logits(h2)
+
+    got, want = level(head), level(dense)
+    err = (got - want).abs().max() / want.abs().max()
+    print(f"q8_0 head vs float head: max |logit error| / max |logit| = {err:.4f}")
+    assert 0 < err < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 5 / 6
+    from rheo_engine.runtime.tree_policy import profile_key
+
+    t = engine_q8.target
+    key = profile_key(t.cfg, c, t.device, t.dtype, "pool", 4, 1, t.quantized_kinds(),
+                      head.quantized_kinds())  # fmt: skip
+    assert "Vd" in key and key.split(", head ")[1].split(",")[0].endswith(" q8_0")
+    with pytest.raises(ValueError, match="'q8_0' only, got 'q4_0'"):
+        dense.quantize("q4_0")
+
+
+def test_a_float_target_keeps_a_float_head():
+    engine = Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft")
+    assert engine.head.quantized_kinds() == "" and engine.target.quantized_kinds() == ""
+
+
 G_RUNS, G_TREE = 300, dict(topk=4, depth=2, total_tokens=10, tree="fixed")
 
 
@@ -195,7 +243,7 @@ def test_cli_quantize_and_dequantize_say_which_weights_run(capsys):
     args = ["--prompt", "def f(x):", "--max-new-tokens", "2", "--temperature", "0",
             "--threads", "1", "--method", "ar"]  # fmt: skip
     assert main(args + ["--quantize", "q8_0"]) == 0
-    assert "weights: Q8_0 x25, bfloat16 x25" in capsys.readouterr().err
+    assert "weights: Q8_0 x25, bfloat16 x25; head Q8_0 x8, float x1" in capsys.readouterr().err
     assert main(args) == 0
     assert "weights:" not in capsys.readouterr().err  # a float target: nothing to say
     _smollm2()

@@ -621,7 +621,8 @@ def load(args: argparse.Namespace) -> Engine:
         )  # fmt: skip
     formats = engine.target.weight_formats  # a GGUF file's, or what --quantize made
     if ("Q" in formats or "dequantized" in formats) and not args.quiet:
-        print(f"weights: {formats}", file=sys.stderr)
+        held = "" if engine.head is None else f"; head {engine.head.weight_formats}"
+        print(f"weights: {formats}{held}", file=sys.stderr)
     context = engine.target.cfg.max_position_embeddings
     if args.max_new_tokens >= context:
         raise BadInput(

@@ -32,6 +32,7 @@ from rheo_engine.models.eagle3_config import (
 )
 from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import linear
+from rheo_engine.models.quant import QuantWeight, quantize_q8_0
 from rheo_engine.spec import kernels
 
 __all__ = [
@@ -60,10 +61,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
+def rope_inv_freq(D: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies [D/2] float32, HF Llama's expression."""
+    return 1.0 / theta ** (torch.arange(0, D, 2, device=device).float() / D)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x [B, n, h, D] rotated at positions [B, n] (rotate_half convention, HF Llama)."""
-    D = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device).float() / D)  # [D/2]
+    inv_freq = rope_inv_freq(x.shape[-1], theta, x.device)  # [D/2]
     freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, n, D/2]
     emb = torch.cat((freqs, freqs), -1).unsqueeze(2)  # [B, n, 1, D]
     return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
@@ -391,6 +396,38 @@ class Eagle3Head:
         Hkv, D = c.num_key_value_heads, c.head_dim
         return SlotPool(1, slots, max_len, Hkv, D, self.dtype, self.device)
 
+    # The head's matrices that quantize() may hold in Q8_0 (the norms and the embedding stay).
+    MATRICES = ("fc.weight", *(f"midlayer.{k}.weight" for k in (*_FUSED_PARTS,
+                "self_attn.o_proj", "mlp.down_proj")), "lm_head.weight")  # fmt: skip
+
+    def quantize(self, qtype: str = "q8_0") -> None:
+        """Hold the head's matrices (fc, q/k/v, o, gate/up, down, lm_head) in ``qtype`` (only
+        "q8_0"), run by kernels.quant_linear: a draft level reads half the bytes of bf16 and
+        the int8 dot products are exact, so a level costs ~0.5x (BENCHMARKS.md, "Draft level
+        in Q8_0"). Drafts change only by the weights' rounding; verification makes every
+        method lossless whatever the drafts (docs/algorithm.md). A matrix whose width is not a
+        multiple of 32 stays float. Inference only: a QuantWeight has no gradient."""
+        if qtype != "q8_0":
+            raise ValueError(f"a head can be held in 'q8_0' only, got {qtype!r}")
+        for name in self.MATRICES:
+            w = self.w[name]
+            if not isinstance(w, QuantWeight) and w.shape[-1] % 32 == 0:
+                self.w[name] = quantize_q8_0(w, self.dtype)
+        self._fused = None
+
+    @property
+    def weight_formats(self) -> str:
+        """Which of the head's matrices are quantized: "Q8_0 x8" or "float"."""
+        kinds = [w.qtype.upper() for n in self.MATRICES if isinstance(w := self.w[n], QuantWeight)]
+        floats = len(self.MATRICES) - len(kinds)
+        held = [f"{k} x{kinds.count(k)}" for k in sorted(set(kinds))]
+        return ", ".join(held + ([f"float x{floats}"] if floats else []))
+
+    def quantized_kinds(self) -> str:
+        """The quantized types of the head's matrices ("q8_0"), "" when none (profile keys)."""
+        return "+".join(sorted({w.qtype for w in self.w.values()
+                                if isinstance(w, QuantWeight)}))  # fmt: skip
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [B, n, len(feature_layers) * target_hidden] -> h [B, n, H] (fc)."""
         return linear(features.to(self.dtype), self.w["fc.weight"])
@@ -453,13 +490,12 @@ class Eagle3Head:
         and kept while the q/k/v/gate/up tensors are unchanged (their version counters): one
         matmul for q, k, v and one for gate, up, as the target's layers are held."""
         parts = [self.w[f"midlayer.{k}.weight"] for k in _FUSED_PARTS]
-        key = tuple((t.data_ptr(), t._version) for t in parts)
+        key = tuple((id(t), getattr(t, "_version", 0)) for t in parts)
         kept = getattr(self, "_fused", None)
         if kept is None or kept[0] != key:
-            D, theta = self.cfg.head_dim, self.cfg.rope_theta
-            # apply_rope's inverse frequencies, the same expression
-            inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=self.device).float() / D)
-            kept = (key, torch.cat(parts[:3]), torch.cat(parts[3:]), inv_freq)
+            inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.device)
+            cat = QuantWeight.cat if isinstance(parts[0], QuantWeight) else torch.cat
+            kept = (key, cat(parts[:3]), cat(parts[3:]), inv_freq)
             self._fused = kept
         return kept[1], kept[2], kept[3]
 

@@ -426,7 +426,7 @@ class LlamaModel:
         return model
 
     def quantized_kinds(self) -> str:
-        """The quantized types this model's matrices run in ("Q4_1+Q8_0"), "" when none: what
+        """The quantized types this model's matrices run in ("q4_1+q8_0"), "" when none: what
         a step costs depends on it (tree_policy.profile_key)."""
         held = [self.lm_head] + [w for layer in self.layers for w in vars(layer).values()]
         return "+".join(sorted({w.qtype for w in held if isinstance(w, QuantWeight)}))

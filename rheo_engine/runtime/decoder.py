@@ -758,7 +758,7 @@ class BatchDecoder:
             pool = pool_kind(cfg.method, request.sampling.temperature)
             tp = 1 if target.tp is None else target.tp.size
             key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk,
-                              tp, target.quantized_kinds())  # fmt: skip
+                              tp, target.quantized_kinds(), head.quantized_kinds())  # fmt: skip
             profile = request.cost_profile
             if isinstance(profile, CostProfile):
                 if profile.key != key:

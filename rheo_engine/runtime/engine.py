@@ -422,6 +422,8 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
     defaults = _head_defaults(defaults, draft)
     # The head in the target's dtype unless told (None: the same), as a dtype or its name.
     head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, model.dtype)
+    if head is not None and model.quantized_kinds():
+        head.quantize("q8_0")  # the head follows its target: kept quantized, a level ~0.5x bf16
     n_threads = None
     if device.type == "cpu":
         total = threads or default_threads(parameter_count(model.cfg))

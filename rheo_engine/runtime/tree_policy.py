@@ -642,14 +642,17 @@ class AutoTree:
 
 
 def profile_key(target_cfg, head_cfg, device: torch.device, dtype: torch.dtype, pool: str,
-                topk: int, tensor_parallel: int = 1, weights: str = "") -> str:  # fmt: skip
+                topk: int, tensor_parallel: int = 1, weights: str = "",
+                head_weights: str = "") -> str:  # fmt: skip
     """What a profile was measured for; a loaded profile must match the running engine's.
-    ``weights`` is the target's LlamaModel.quantized_kinds() ("Q4_1+Q8_0", "" for float): a
-    quantized target's steps cost another curve than the same file dequantized."""
+    ``weights`` is the target's LlamaModel.quantized_kinds() ("q4_1+q8_0", "" for float): a
+    quantized target's steps cost another curve than the same file dequantized; likewise
+    ``head_weights`` (Eagle3Head.quantized_kinds()) for a draft level."""
     t, h = target_cfg, head_cfg
     shapes = f"target {t.num_hidden_layers}x{t.hidden_size}/{t.intermediate_size} V{t.vocab_size}"
     if h is not None:
         shapes += f", head {h.hidden_size} Vd{h.draft_vocab_size}"
+        shapes += f" {head_weights}" if head_weights else ""
     parallel = f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
     held = f", weights {weights}" if weights else ""
     return (
