@@ -136,3 +136,28 @@ def _replies(data: Path, shards: list[int]) -> list[int]:
         with np.load(shard_path(data, i)) as z:
             out += [int(length - prompt) for _, prompt, length, _, _ in z["index"]]
     return out
+
+
+def test_each_checkpoint_keeps_the_training_time_so_far(tmp_path: Path, monkeypatch) -> None:
+    """A run killed between checkpoints keeps the time up to its last one: every save carries
+    train_seconds counted to that moment (not only the run's end)."""
+    import rheo_engine.train.head_shards as hs
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    write_shards(data, 3, LlamaModel.from_pretrained(TARGET).cfg.vocab_size)
+    saved: list[float] = []
+    save = Trainer.save
+
+    def spy(self, where):
+        saved.append(self.progress["train_seconds"])
+        return save(self, where)
+
+    monkeypatch.setattr(hs, "CHECKPOINT_SECONDS", 0.0)
+    monkeypatch.setattr(Trainer, "save", spy)
+    main(["--data", str(data), "--target", str(TARGET), "--work", str(work),
+          "--feature-layers", "1,2,3", "--unroll", "2", "--draft-vocab", "300",
+          "--positions", "128", "--val-quick", "4", "--warmup", "1", "--autocast", "off",
+          "--max-steps", "3"])  # fmt: skip
+    assert len(saved) >= 3  # after steps 1 and 2 (and 3), then the end
+    assert 0 < saved[0] < saved[1] <= saved[-1]
+    assert json.loads((work / "ckpt.json").read_text())["train_seconds"] == saved[-1]

@@ -227,6 +227,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"step {trainer.progress['step']} (start) | held-out acc {fmt(q['acc'])}", flush=True)
     window, last_line, last_ckpt = Window(cfg.unroll), time.perf_counter(), time.perf_counter()
     start_step, t_train, done = trainer.progress["step"], time.perf_counter(), 0
+    counted = t_train  # train_seconds holds the time up to here (each checkpoint adds its part)
+
+    def count_time() -> None:
+        nonlocal counted
+        now = time.perf_counter()
+        trainer.progress["train_seconds"] += now - counted
+        counted = now
+
     while trainer.progress["step"] < cfg.max_steps and budget.left() > 60:
         batch = train.batch(batches.draw(trainer.gen))
         window.add(trainer.train_step(batch))
@@ -242,9 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
                                               "val_quick": q})  # fmt: skip
             window, last_line = Window(cfg.unroll), time.perf_counter()
         if a.work is not None and now - last_ckpt > CHECKPOINT_SECONDS:
+            count_time()  # so a run killed after this checkpoint keeps its time
             trainer.save(a.work)
             last_ckpt = time.perf_counter()
-    trainer.progress["train_seconds"] += time.perf_counter() - t_train
+    count_time()
     if a.work is not None:
         trainer.save(a.work)
     result = quick_eval(trainer, val, None, a.positions)
