@@ -19,8 +19,8 @@ from rheo_engine.entrypoints.generate import main as generate_main
 
 PROMPT = "def quicksort(xs):"
 JSON_FIELDS = {"text", "token_ids", "method", "steps", "mean_accept_length", "tokens_per_s",
-               "wall_s", "stop_reason", "draft_s", "head_s", "target_s", "verify_s",
-               "commit_s", "tree", "trees", "step_measured_s", "step_predicted_s"}  # fmt: skip
+               "wall_s", "stop_reason", "draft_s", "head_s", "target_s", "verify_s", "commit_s",
+               "tree", "trees", "step_measured_s", "step_predicted_s", "steps_priced"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,7 @@ def test_auto_tree_reports_its_trees(capsys, tmp_path):
     got = json.loads(out)
     assert got["tree"] == "auto" and sum(got["trees"].values()) == got["steps"]
     assert got["step_predicted_s"] > 0 and got["step_measured_s"] > 0
+    assert 0 < got["steps_priced"] <= got["steps"]
     code, out, err = cli(capsys, "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature",
                          "0", "--cost-profile", str(profile))  # fmt: skip
     assert "auto trees N=" in err and "ms predicted" in err

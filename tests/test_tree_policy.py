@@ -135,6 +135,9 @@ def test_histogram_names_plain_steps_and_trees():
     usage.add(TreeConfig("rheo", 10, 3, 8), 0.2, 0.3)
     assert usage.histogram() == "N=1x1 N=8/d3x2"
     assert usage.predicted_s == pytest.approx(0.4)
+    # predicted and measured compare over the priced steps only
+    assert usage.predicted_steps == 2 and usage.predicted_measured_s == pytest.approx(0.6)
+    assert usage.measured_s == pytest.approx(0.7)
 
 
 # --- tree="auto" in the engine ---------------------------------------------------------------

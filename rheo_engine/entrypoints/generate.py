@@ -413,11 +413,13 @@ def sampling_summary(gen: Generation) -> str:
 def _predicted(gen: Generation) -> str:
     """The cost model's step time next to the measured one (auto trees only)."""
     u = gen.trees
-    if gen.tree != "auto" or not gen.steps or not u.predicted_s:
+    if gen.tree != "auto" or not u.predicted_steps:
         return ""
+    n = u.predicted_steps  # the steps the cost model priced (a lookup-only step has no price)
     return (
-        f", step {1e3 * u.measured_s / gen.steps:.2f} ms measured vs "
-        f"{1e3 * u.predicted_s / gen.steps:.2f} ms predicted"
+        f", step {1e3 * u.predicted_measured_s / n:.2f} ms measured vs "
+        f"{1e3 * u.predicted_s / n:.2f} ms predicted"
+        + ("" if n == gen.steps else f" ({n} of {gen.steps} steps priced)")
     )
 
 
@@ -431,7 +433,8 @@ def as_json(gen: Generation, prompt: str, threads: int) -> dict:
         "prefill_s": gen.prefill_s, "draft_s": t.draft_s, "head_s": t.head_s,
         "target_s": t.target_s, "verify_s": t.verify_s, "commit_s": t.commit_s,
         "tree": gen.tree, "trees": {f"{n}/{d}": c for (d, n), c in gen.trees.shapes.items()},
-        "step_measured_s": gen.trees.measured_s, "step_predicted_s": gen.trees.predicted_s,
+        "step_measured_s": gen.trees.predicted_measured_s,
+        "step_predicted_s": gen.trees.predicted_s, "steps_priced": gen.trees.predicted_steps,
         "stop_string": gen.stop_string,
         "sampling": {f.name: getattr(gen.sampling, f.name) for f in fields(gen.sampling)},
         "sampling_sources": gen.sampling_sources, "drafts": gen.drafts,

@@ -78,6 +78,10 @@ class TreeUsage:
     shapes: Counter = field(default_factory=Counter)  # (depth, total_tokens) -> steps; (0, 1) plain
     predicted_s: float = 0.0  # sum of the cost model's step times (0 for a fixed tree)
     measured_s: float = 0.0  # sum of the measured step times
+    # The steps the cost model predicted (a `both` request's lookup-only steps have none):
+    # their count and measured time, what predicted_s compares with.
+    predicted_steps: int = 0
+    predicted_measured_s: float = 0.0
 
     def histogram(self) -> str:
         """'N=1x12 N=8/d3x30 ...': steps per tree, plain steps as N=1."""
@@ -88,8 +92,11 @@ class TreeUsage:
 
     def add(self, cfg: TreeConfig, predicted_s: float | None, measured_s: float) -> None:
         self.shapes[tree_shape(cfg)] += 1
-        self.predicted_s += predicted_s or 0.0
         self.measured_s += measured_s
+        if predicted_s:
+            self.predicted_s += predicted_s
+            self.predicted_steps += 1
+            self.predicted_measured_s += measured_s
 
 
 def tree_shape(cfg: TreeConfig) -> tuple[int, int]:
