@@ -96,6 +96,7 @@ def test_shards_resume_and_reproduce(tmp_path: Path) -> None:
     m = sd.run(tmp_path / "d", **kw)
     assert sorted(m["shards"]) == ["00000", "00001"]
     assert [m["shards"][k]["temperature"] for k in ("00000", "00001")] == [0.0, 1.0]
+    assert m["shards"]["00000"]["weights"] == "float32 x50"  # what made the shard (formats)
     tokens, index = sd.load_shard(sd.shard_path(tmp_path / "d", 0))
     assert tokens.dtype == np.uint16 and index.shape[1] == 5
     assert (index[1:, 0] == index[:-1, 0] + index[:-1, 2]).all()  # packed back to back
