@@ -494,8 +494,7 @@ class Eagle3Head:
         kept = getattr(self, "_fused", None)
         if kept is None or kept[0] != key:
             inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.device)
-            cat = QuantWeight.cat if isinstance(parts[0], QuantWeight) else torch.cat
-            kept = (key, cat(parts[:3]), cat(parts[3:]), inv_freq)
+            kept = (key, _stacked(parts[:3]), _stacked(parts[3:]), inv_freq)
             self._fused = kept
         return kept[1], kept[2], kept[3]
 
@@ -529,6 +528,15 @@ class Eagle3Head:
         h1, y = kernels.add_rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps, o)
         mlp = kernels.silu_mul(linear(y, w_gate_up))  # [B, n, intermediate]
         return h1 + linear(mlp, w["midlayer.mlp.down_proj.weight"]), k, v
+
+
+def _stacked(parts: list) -> torch.Tensor | QuantWeight:
+    """W rows of ``parts`` stacked: quantized parts stay quantized, float parts are cat'ed (one
+    group shares its width, so quantize() made all of it one or the other)."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantWeight.cat(parts)
+    return torch.cat([p.dequantize(parts[-1].dtype) if isinstance(p, QuantWeight) else p
+                      for p in parts])  # fmt: skip
 
 
 def _attention(
