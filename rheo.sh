@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two quick-start commands (README):
-#   bash rheo.sh generate   set everything up, then generate with the embedded default pair
+#   bash rheo.sh generate   set everything up, then answer a chat question with the smollm2 pair
 #   bash rheo.sh test       set everything up, then run the whole test suite
 # Also: `bash rheo.sh demo` (every method on an n-gram toy pair), `bash rheo.sh serve` (the
 # OpenAI-compatible server, docs/cli_server.md "serve"), `bash rheo.sh setup`.
@@ -81,7 +81,10 @@ shift || true
 setup
 case "$job" in
   generate)
-    if [ $# -eq 0 ]; then set -- --prompt "def quicksort(xs):" --max-new-tokens 96; fi
+    # No arguments: a chat question to the smollm2 pair (its GGUF file was installed above),
+    # streamed, then its stats line. Arguments go to the CLI as they are (the embedded default
+    # pair unless they name another, e.g. --prompt "def quicksort(xs):" for the stdlib pair).
+    if [ $# -eq 0 ]; then set -- --pair smollm2 --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 128; fi
     exec "$PY" -m rheo_engine.generate "$@" ;;
   demo) exec "$PY" -m rheo_engine.entrypoints.demo "$@" ;;
   serve) exec "$PY" -m rheo_engine.serve "$@" ;;
