@@ -139,6 +139,26 @@ def count_section(pair: str, repeats: int) -> None:
           f"{fused_ms:.2f}, fused/torch {ratio:.3f}")  # fmt: skip
 
 
+def draft_level(heads, k: int, seen: int, g: torch.Generator):
+    """One draft level on random inputs (k nodes over `seen` visible pairs), the same for each
+    of ``heads`` (one config and dtype): a function per head returning its draft logits."""
+    c, dtype = heads[0].cfg, heads[0].dtype
+    h = torch.randn(1, k, c.hidden_size, generator=g).to(dtype)
+    tokens = torch.randint(0, c.vocab_size, (1, k), generator=g)
+    positions = torch.full((1, k), seen, dtype=torch.long)
+    past = torch.randn(1, seen, c.num_key_value_heads, c.head_dim, generator=g).to(dtype)
+    mask = torch.ones(1, k, seen + k, dtype=torch.bool)
+
+    def level(head):
+        def go():
+            with torch.no_grad():
+                return head.logits(head.layer(h, tokens, positions, past, past, mask)[0])
+
+        return go
+
+    return [level(head) for head in heads]
+
+
 def head_section(repeats: int, k: int = 10, seen: int = 64) -> None:
     """One draft level of the smollm2 head (k nodes over `seen` visible pairs), fused vs torch,
     beside a plain step of its bf16 target."""
@@ -146,17 +166,7 @@ def head_section(repeats: int, k: int = 10, seen: int = 64) -> None:
 
     target = load("smollm2-bf16")
     head = Eagle3Head.from_pretrained(DEFAULT_PAIR.parent / "smollm2" / "head", target)
-    c, g = head.cfg, torch.Generator().manual_seed(1)
-    h = torch.randn(1, k, c.hidden_size, generator=g).to(head.dtype)
-    tokens = torch.randint(0, c.vocab_size, (1, k), generator=g)
-    positions = torch.full((1, k), seen, dtype=torch.long)
-    past = torch.randn(1, seen, c.num_key_value_heads, c.head_dim, generator=g).to(head.dtype)
-    mask = torch.ones(1, k, seen + k, dtype=torch.bool)
-
-    def level():
-        with torch.no_grad():
-            return head.logits(head.layer(h, tokens, positions, past, past, mask)[0])
-
+    [level] = draft_level([head], k, seen, torch.Generator().manual_seed(1))
     counts = {}
     for fused in (False, True):
         head.fused = fused
@@ -193,7 +203,7 @@ def head_q8_section(rows_list: list[int], repeats: int, seen: int = 200) -> None
     where = DEFAULT_PAIR.parent / "smollm2" / "head"
     dense, quant = (Eagle3Head.from_pretrained(where, target) for _ in range(2))
     quant.quantize("q8_0")
-    c, g = dense.cfg, torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)
     step = Step(target)
     plain_ms = statistics.median(paired_ms(step, step, step, max(5, repeats // 3))[:2])
     print(f"\n## smollm2 head: one draft level over {seen} pairs, Q8_0 against bf16 "
@@ -201,22 +211,9 @@ def head_q8_section(rows_list: list[int], repeats: int, seen: int = 200) -> None
     print("| rows | bf16 ms | Q8_0 ms | Q8_0 / bf16 (paired) | Q8_0 level / plain step | "
           "argmax agreement |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for k in rows_list:
-        h = torch.randn(1, k, c.hidden_size, generator=g).to(dense.dtype)
-        tokens = torch.randint(0, c.vocab_size, (1, k), generator=g)
-        positions = torch.full((1, k), seen, dtype=torch.long)
-        past = torch.randn(1, seen, c.num_key_value_heads, c.head_dim, generator=g)
-        past = past.to(dense.dtype)
-        mask = torch.ones(1, k, seen + k, dtype=torch.bool)
-
-        def level(head):
-            def go():
-                with torch.no_grad():
-                    return head.logits(head.layer(h, tokens, positions, past, past, mask)[0])
-
-            return go
-
-        bf16_ms, q8_ms, ratio = paired_ms(None, level(dense), level(quant), repeats)
-        agree = (level(dense)().argmax(-1) == level(quant)().argmax(-1)).float().mean().item()
+        bf16, q8 = draft_level([dense, quant], k, seen, g)
+        bf16_ms, q8_ms, ratio = paired_ms(None, bf16, q8, repeats)
+        agree = (bf16().argmax(-1) == q8().argmax(-1)).float().mean().item()
         print(f"| {k} | {bf16_ms:.2f} | {q8_ms:.2f} | {ratio:.3f} | {100 * q8_ms / plain_ms:.0f}%"
               f" | {agree:.2f} |")  # fmt: skip
 

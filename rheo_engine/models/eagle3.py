@@ -531,12 +531,9 @@ class Eagle3Head:
 
 
 def _stacked(parts: list) -> torch.Tensor | QuantWeight:
-    """W rows of ``parts`` stacked: quantized parts stay quantized, float parts are cat'ed (one
-    group shares its width, so quantize() made all of it one or the other)."""
-    if all(isinstance(p, QuantWeight) for p in parts):
-        return QuantWeight.cat(parts)
-    return torch.cat([p.dequantize(parts[-1].dtype) if isinstance(p, QuantWeight) else p
-                      for p in parts])  # fmt: skip
+    """W rows of one group (q/k/v or gate/up) stacked. The group shares its width, so
+    quantize() held all of it in Q8_0 or none of it."""
+    return QuantWeight.cat(parts) if isinstance(parts[0], QuantWeight) else torch.cat(parts)
 
 
 def _attention(

@@ -208,10 +208,10 @@ def run(out: Path, shards: int, seed: int, prompts_per_shard: int, max_new_token
         return manifest
     # Shards 0-25 were made by the file dequantized to `dtype`; ``quantized`` runs its Q4_1
     # matrices as stored, as the engine serves them (97.9% top-1 agreement with dequantized,
-    # ~1.5-2x the positions/s at batch 64 here). Each shard records which ("weights").
+    # ~1.3x the positions/s at batch 64 here). Each shard records which ("weights").
     engine = Engine.from_pretrained(pair=pair, dtype=getattr(torch, dtype), threads=threads,
                                     quantized=quantized)  # fmt: skip
-    weights = engine.target.weight_formats or f"float ({dtype})"
+    weights = engine.target.weight_formats  # e.g. "kept quantized: Q4_1 x210, ..."
     settings = {"seed": seed, "prompts_per_shard": prompts_per_shard,
                 "max_new_tokens": max_new_tokens, "max_len": max_len}  # fmt: skip
     if manifest.get("settings", settings) != settings:
