@@ -224,25 +224,38 @@ def _messages() -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_forward_matches_torch_forward(dtype: torch.dtype) -> None:
+def test_fused_forward_matches_torch_forward(dtype: torch.dtype, monkeypatch) -> None:
     """The default target, fused against its torch path, prefill + tree + features: the same
     greedy tokens and logits within bf16 noise (the norms' variance and RoPE's HF roundings are
-    the only differences), and the fused path ran (different bits, not the same code)."""
+    the only differences), and the fused path ran: its three kernels are called once per use
+    (counted, not inferred from the bits: whether torch's norm rounds as the kernel does
+    depends on the CPU torch runs on), the torch path calls none."""
     model = LlamaModel.from_pretrained(DEFAULT_PAIR / "target", dtype=dtype)
+    calls = {"add_rms_norm": 0, "rope_qk": 0, "silu_mul": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
     gen = torch.Generator().manual_seed(8)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=gen)
     positions = torch.arange(24).expand(2, 24)
-    outs = {}
+    outs, counts = {}, {}
     for fused in (False, True):
         model.fused = fused
         with torch.no_grad():
             outs[fused] = model.forward(tokens, positions, model.new_cache(32, 2),
                                         feature_layers=(0, 3))  # fmt: skip
+        counts[fused], calls = calls, dict.fromkeys(calls, 0)
     (l0, f0), (l1, f1) = outs[False], outs[True]
     scale = l0.abs().max()
     tol = 0.05 if dtype == torch.bfloat16 else 1e-5
     assert (l1 - l0).abs().max() <= tol * scale
     assert (f1 - f0).abs().max() <= tol * f0.abs().max()
     assert (l0.argmax(-1) == l1.argmax(-1)).float().mean() >= 0.95
-    if dtype == torch.bfloat16:
-        assert not torch.equal(l0, l1)
+    layers = model.cfg.num_hidden_layers
+    assert counts[False] == {"add_rms_norm": 0, "rope_qk": 0, "silu_mul": 0}
+    assert counts[True] == {"add_rms_norm": 2 * layers + 1, "rope_qk": layers, "silu_mul": layers}

@@ -231,7 +231,12 @@ def test_default_target_matches_hf(default_fp32: LlamaModel) -> None:
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
     torch.testing.assert_close(feats, torch.cat([hidden[j] for j in layers], -1), rtol=1e-5,
                                atol=1e-4)  # fmt: skip
-    assert (logits.argmax(-1) == ref.argmax(-1)).all()
+    # The greedy token agrees wherever HF's top two lie further apart than the two tolerances:
+    # at a closer tie the pick depends on each library's summation order (so on the CPU).
+    top2 = ref.topk(2, -1).values
+    clear = top2[..., 0] - top2[..., 1] > 2e-4
+    assert clear.float().mean() > 0.99
+    assert (logits.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
 # --- the llama2.c converter on a checkpoint written here ------------------------------------------

@@ -39,11 +39,17 @@ def fp32_sum_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.shape[-1] + 1) * u * (x.double().abs() @ w.double().abs().T)
 
 
+def exact_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).to(torch.bfloat16)
+
+
 def check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, min_exact: float) -> None:
-    # The reference is torch's own bf16 linear semantics: fp32 sums rounded once to bf16. Two fp32
-    # sums in different orders may straddle a rounding boundary (1 ulp apart), and under
-    # cancellation they may differ by the fp32 summation bound itself.
-    ref = (x.float() @ w.float().T).to(torch.bfloat16)
+    # The reference is the exact sum rounded once to bf16 (float64 holds each bf16 product
+    # exactly and the sum to ~2^-53): the same on every machine, where torch's fp32 GEMM sums
+    # in an order that depends on the CPU and its library, so the exact-match fraction would too.
+    # An fp32 sum may straddle a rounding boundary (1 ulp apart), and under cancellation it may
+    # differ by the fp32 summation bound itself.
+    ref = exact_bf16(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape
     diff = (y.double() - ref.double()).abs()
     allowed = bf16_ulp(ref).double() + 2 * fp32_sum_bound(x, w)
@@ -57,11 +63,11 @@ def test_bf16_matches_torch_within_one_ulp(n, in_, out):
     x = torch.randn(n, in_, generator=gen).to(torch.bfloat16)
     w = torch.randn(out, in_, generator=gen).to(torch.bfloat16)
     check_bf16(kernels.skinny_linear(x, w), x, w, min_exact=0.98)
-    # Positive inputs cannot cancel: the two fp32 sums are within (in + 1) u of each other
-    # relative to the result, far below a bf16 ulp, so every element is within 1 ulp.
+    # Positive inputs cannot cancel: the fp32 sum is within (in + 1) u of the exact one relative
+    # to the result, far below a bf16 ulp, so every element is within 1 ulp.
     x, w = x.abs(), w.abs()
     y = kernels.skinny_linear(x, w)
-    ref = (x.float() @ w.float().T).to(torch.bfloat16)
+    ref = exact_bf16(x, w)
     assert ((y.float() - ref.float()).abs() <= bf16_ulp(ref)).all()
     assert (y == ref).float().mean().item() >= 0.98
 
