@@ -7,10 +7,22 @@ import platform
 import torch
 
 
+def cpu_line() -> str:
+    """The CPU and the code paths that run on it, e.g. "cpu: AMD EPYC [avx2]; rheo kernels: avx2
+    path, vdpbf16ps off; torch cpu capability AVX2": what a result measured or tested on one
+    CPU class and not another depends on."""
+    from rheo_engine.machine import isa_line
+    from rheo_engine.spec import kernels
+
+    dot = "on" if kernels.skinny_linear_bf16_dot() else "off"
+    return (f"cpu: {isa_line()}; rheo kernels: {kernels.cpu_isa()} path, vdpbf16ps {dot}; "
+            f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
+
+
 def info_lines() -> list[str]:
     from rheo_engine.spec import kernels
 
-    lines = [f"rheo_engine._C: {kernels.build_info()}"]
+    lines = [f"rheo_engine._C: {kernels.build_info()}", cpu_line()]
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     lines.append(
         f"python {platform.python_version()} on {platform.machine()}, "
