@@ -10,9 +10,11 @@
 
 #include "rheo/common.h"
 
-#ifdef RHEO_WITH_CUDA
+#if defined(RHEO_WITH_CUDA) && !defined(RHEO_CUDA_EMU)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#elif defined(RHEO_CUDA_EMU)
+#include <cuda_runtime.h>  // csrc/emu's: the CUDA branches below run on the emulator (tests)
 #endif
 
 namespace rheo::bind {
@@ -112,12 +114,19 @@ inline at::ScalarType acc_dtype(DType dtype) {
   return dtype == DType::kFloat64 ? at::kDouble : at::kFloat;
 }
 
-// True when `t` lives on a CUDA device; raises a clear error on a CPU-only build.
+// True when `t` lives on a CUDA device; raises a clear error on a CPU-only build. In the
+// emulator's build of the bindings (RHEO_CUDA_EMU: tests/test_cuda_bindings_emu.py) every CPU
+// tensor stands for a device one, so each call takes the CUDA branch a GPU user's call takes,
+// with the emulator running the .cu kernels on host memory.
 inline bool on_cuda(const at::Tensor& t, const char* name) {
   if (!t.is_cuda()) {
     RHEO_CHECK(t.device().is_cpu(), name, " is on ", t.device().str(),
                "; rheo_engine kernels run on cpu or cuda tensors only");
+#ifdef RHEO_CUDA_EMU
+    return true;
+#else
     return false;
+#endif
   }
 #ifdef RHEO_WITH_CUDA
   return true;
@@ -136,9 +145,17 @@ inline bool on_cuda(const at::Tensor& t, const char* name) {
                                " at " + __FILE__ + ":" + std::to_string(__LINE__));    \
   } while (0)
 
+#ifdef RHEO_CUDA_EMU
+struct DeviceGuard {  // one emulated device: nothing to switch
+  explicit DeviceGuard(const c10::Device&) {}
+};
+inline cudaStream_t current_stream(const at::Tensor&) { return nullptr; }  // launches run inline
+#else
+using DeviceGuard = c10::cuda::CUDAGuard;  // the tensor's device for the launch
 inline cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
+#endif
 #endif
 
 }  // namespace rheo::bind

@@ -58,7 +58,8 @@ void check_out(const at::Tensor& out, const char* name, const at::Tensor& like, 
   check_same_device(out, name, like, "the input");
 }
 
-// Runs `cpu(part)` over rows [0, rows) in tasks of at least kGrainElements elements.
+// Runs `cpu(part)` over rows [0, rows) in tasks of at least kGrainElements elements. The args
+// come filled for every row, as the CUDA launchers take them; each task narrows its copy.
 template <typename Args, typename Fn>
 void cpu_rows(const Args& args, int64_t width, Fn cpu) {
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, width));
@@ -87,6 +88,7 @@ void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta,
   check_contiguous(weight, "weight");
   check_same_device(weight, "weight", x, "x");
   std::tie(a.rows, a.x_stride) = rows_of(x, "x", hidden);
+  a.row_begin = 0, a.row_end = a.rows;  // every row (the CPU path splits them over threads)
   check_out(normed_out, "normed_out", x, hidden, "[..., hidden] (the shape of x)");
   RHEO_CHECK(delta.has_value() == residual_out.has_value(),
              "delta and residual_out go together (the residual x + delta is written to "
@@ -109,7 +111,7 @@ void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta,
   a.normed_out = normed_out.mutable_data_ptr();
   if (on_cuda(x, "x")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
+    const DeviceGuard guard(x.device());
     RHEO_CUDA_CHECK(add_rms_norm_cuda(a, current_stream(x)));
 #endif
     return;
@@ -126,6 +128,7 @@ void rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
   RopeQkArgs a;
   a.dtype = fused_dtype(qkv, "qkv");
   std::tie(a.rows, a.qkv_stride) = rows_of(qkv, "qkv", (H + 2 * Hkv) * D);
+  a.row_begin = 0, a.row_end = a.rows;
   std::vector<int64_t> lead(qkv.sizes().begin(), qkv.sizes().end() - 1);
   for (const auto* t : {&cos, &sin}) {
     const char* name = t == &cos ? "cos" : "sin";
@@ -150,7 +153,7 @@ void rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
   a.k_out = k_out.mutable_data_ptr();
   if (on_cuda(qkv, "qkv")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(qkv.device());
+    const DeviceGuard guard(qkv.device());
     RHEO_CUDA_CHECK(rope_qk_cuda(a, current_stream(qkv)));
 #endif
     return;
@@ -165,13 +168,14 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
   a.dtype = fused_dtype(gate_up, "gate_up");
   a.I = gate_up.size(-1) / 2;
   std::tie(a.rows, a.gu_stride) = rows_of(gate_up, "gate_up", 2 * a.I);
+  a.row_begin = 0, a.row_end = a.rows;
   check_out(out, "out", gate_up, a.I, "[..., I] (the leading dims of gate_up)");
   if (a.rows == 0 || a.I == 0) return;
   a.gate_up = gate_up.const_data_ptr();
   a.out = out.mutable_data_ptr();
   if (on_cuda(gate_up, "gate_up")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(gate_up.device());
+    const DeviceGuard guard(gate_up.device());
     RHEO_CUDA_CHECK(silu_mul_cuda(a, current_stream(gate_up)));
 #endif
     return;

@@ -45,7 +45,7 @@ void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tens
     return;
   }
 #ifdef RHEO_WITH_CUDA
-  const c10::cuda::CUDAGuard guard(logits.device());
+  const DeviceGuard guard(logits.device());
   RHEO_CUDA_CHECK(logit_controls_cuda(a, current_stream(logits)));
 #endif
 }

@@ -78,7 +78,7 @@ void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, dou
 #ifdef RHEO_WITH_CUDA
     RHEO_CHECK(Se <= 2048, "support=", a.S, " gives Se=", Se, " > 2048, the largest ",
                "support the CUDA pool sampler ranks (pool_sampler.cu kMaxSupport); lower support");
-    const c10::cuda::CUDAGuard guard(logits.device());
+    const DeviceGuard guard(logits.device());
     // No host check of the outputs (it would sync): a NaN/inf row or a forced token that
     // cannot be Y sets kStatusNonFiniteDraft / kStatusBadForced in *status instead.
     RHEO_CUDA_CHECK(pool_sampler_cuda(a, current_stream(logits)));

@@ -30,7 +30,7 @@ void select_expand(const at::Tensor& scores, at::Tensor& expand,
   args.status = status_ptr(status, scores, "scores");  // CUDA: a NaN score -> kStatusNanScore
   if (on_cuda(scores, "scores")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(scores.device());
+    const DeviceGuard guard(scores.device());
     RHEO_CUDA_CHECK(select_expand_cuda(args, current_stream(scores)));
 #endif
     return;
@@ -103,7 +103,7 @@ void build_tree(const at::Tensor& cand_scores, const at::Tensor& cand_tokens,
   args.status = status_ptr(status, cand_scores, "cand_scores");
   if (on_cuda(cand_scores, "cand_scores")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(cand_scores.device());
+    const DeviceGuard guard(cand_scores.device());
     RHEO_CUDA_CHECK(build_tree_cuda(args, current_stream(cand_scores)));
 #endif
     return;

@@ -61,7 +61,7 @@ void quantize_rows_q8(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::T
   const QuantRowsArgs a = rows_args(x, xq, xd, xs, xm);
   if (on_cuda(x, "x")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
+    const DeviceGuard guard(x.device());
     RHEO_CUDA_CHECK(quantize_rows_q8_cuda(a, current_stream(x)));
 #endif
     return;
@@ -101,13 +101,13 @@ void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_
   r.n = n, r.in = in, r.x_stride = in;
   if (on_cuda(x, "x")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
+    const DeviceGuard guard(x.device());
     auto opts = x.options();
     at::Tensor xq = at::empty({n, in}, opts.dtype(at::kChar));
     at::Tensor xd = at::empty({n, nb}, opts.dtype(at::kFloat));
     at::Tensor xs = at::empty({n, nb}, opts.dtype(at::kInt));
     at::Tensor xm = at::empty({n, nb}, opts.dtype(at::kFloat));
-    r.xq = a.xq = static_cast<int8_t*>(xq.mutable_data_ptr());
+    a.xq = r.xq = static_cast<int8_t*>(xq.mutable_data_ptr());
     r.xd = static_cast<float*>(xd.mutable_data_ptr()), a.xd = r.xd;
     r.xs = static_cast<int32_t*>(xs.mutable_data_ptr()), a.xs = r.xs;
     r.xm = static_cast<float*>(xm.mutable_data_ptr()), a.xm = r.xm;

@@ -84,7 +84,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   args.o_end = args.out;
   if (cuda) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
+    const DeviceGuard guard(x.device());
     RHEO_CUDA_CHECK(skinny_linear_cuda(args, current_stream(x)));
 #endif
     return;

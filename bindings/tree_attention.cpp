@@ -110,7 +110,7 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   args.scale = static_cast<float>(scale);
   if (on_cuda(q, "q")) {
 #ifdef RHEO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(q.device());
+    const DeviceGuard guard(q.device());
     // Split-KV partials (float32) from torch's caching allocator (no cudaMalloc per call). Its
     // blocks are stream-ordered: freed when this returns, reused only by later work on the same
     // stream, so the kernels still running on it are safe.

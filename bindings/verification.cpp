@@ -83,7 +83,7 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
   // tree or q~ table that breaks the rules sets kStatusBadVerifyInput, a non-finite target
   // logit at a visited node kStatusNonFiniteTarget, and that tree gets accept_len 1.
   verification_check_scalars(a);  // host values only (verification_cuda checks them too)
-  const c10::cuda::CUDAGuard guard(logits.device());
+  const DeviceGuard guard(logits.device());
   // The [B, V] float64 workspace (the nodes' stats records; see verification.cu) from torch's
   // caching allocator (no cudaMalloc per call).
   // Its blocks are stream-ordered: freed when this returns, reused only by later work on the
