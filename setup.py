@@ -12,6 +12,7 @@ torch already installed; pyproject.toml holds the name, version and dependencies
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import sys
@@ -57,6 +58,24 @@ def _cuda_archs() -> str:
     return " ".join(f"sm_{a}{b}" for a, b in sorted(caps)) or "default archs"
 
 
+def _write_build_info(info: str, why: str) -> str:
+    """build/generated/rheo_build_info.h: what this build holds, why CUDA was or was not built
+    and the torch it was built against (rheo_engine.info prints them; rheo.sh rebuilds when the
+    installed torch is another). A header, not -D flags: ninja keeps a define's quotes and
+    spaces only as far as its build file's quoting does. Rewritten only when it changes, so
+    ninja recompiles only bindings/module.cpp then."""
+    folder = os.path.join(ROOT, "build", "generated")
+    os.makedirs(folder, exist_ok=True)
+    text = "".join(f"#define {name} {json.dumps(value)}\n" for name, value in [
+        ("RHEO_BUILD_INFO", info), ("RHEO_CUDA_BUILD_NOTE", why),
+        ("RHEO_BUILT_WITH_TORCH", torch.__version__)])  # fmt: skip
+    path = os.path.join(folder, "rheo_build_info.h")
+    if not os.path.isfile(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+    return folder
+
+
 def _extension() -> tuple[object, str]:
     with_cuda, why = _want_cuda()
     sources = _rel("bindings/*.cpp") + _rel("csrc/cpu/*.cpp")
@@ -67,7 +86,8 @@ def _extension() -> tuple[object, str]:
     info = "cpu"
     if with_cuda:
         info = f"cpu + cuda {_cuda_archs()}"
-    defines = [f'-DRHEO_BUILD_INFO="{info}"']
+    include_dirs.append(_write_build_info(info, why))
+    defines: list[str] = []
     if not with_cuda:
         ext = cpp_extension.CppExtension(
             "rheo_engine._C", sources, include_dirs=include_dirs,

@@ -7,6 +7,10 @@
 #include "bindings.h"
 #include "rheo/common.h"
 
+#if __has_include("rheo_build_info.h")
+#include "rheo_build_info.h"  // setup.py writes it (build/generated): what this build holds
+#endif
+
 namespace {
 
 std::string cpu_isa() { return rheo::cpu::isa_name(rheo::cpu::active_isa()); }
@@ -31,12 +35,32 @@ const char* build_info() {
 #endif
 }
 
+// Why the CUDA kernels were or were not built (setup.py's reason), "" when not recorded.
+const char* cuda_build_note() {
+#ifdef RHEO_CUDA_BUILD_NOTE
+  return RHEO_CUDA_BUILD_NOTE;
+#else
+  return "";
+#endif
+}
+
+// The torch version this extension was compiled against, "" when not recorded.
+const char* built_with_torch() {
+#ifdef RHEO_BUILT_WITH_TORCH
+  return RHEO_BUILT_WITH_TORCH;
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace b = rheo::bind;
   m.def("has_cuda", &has_cuda, "True when the CUDA kernels were compiled in.");
   m.def("build_info", &build_info, "What was built, e.g. 'cpu + cuda sm_90'.");
+  m.def("cuda_build_note", &cuda_build_note, "Why the CUDA kernels were or were not built.");
+  m.def("built_with_torch", &built_with_torch, "The torch version the build compiled against.");
   // CPU dispatch level, read here so that a bad RHEO_CPU_ISA fails the import and not a kernel
   rheo::cpu::active_isa();
   m.def("cpu_isa", &cpu_isa, "The CPU kernels' dispatch level: 'default', 'avx2' or 'avx512'.");

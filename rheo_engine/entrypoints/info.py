@@ -22,7 +22,11 @@ def cpu_line() -> str:
 def info_lines() -> list[str]:
     from rheo_engine.spec import kernels
 
-    lines = [f"rheo_engine._C: {kernels.build_info()}", cpu_line()]
+    note = kernels.cuda_build_note()
+    built = f"rheo_engine._C: {kernels.build_info()}" + (f" ({note})" if note else "")
+    if kernels.built_with_torch():
+        built += f", built against torch {kernels.built_with_torch()}"
+    lines = [built, cpu_line()]
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     lines.append(
         f"python {platform.python_version()} on {platform.machine()}, "

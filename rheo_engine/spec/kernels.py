@@ -20,7 +20,14 @@ from typing import Literal
 
 import torch
 
-from rheo_engine import _C
+try:
+    from rheo_engine import _C
+except ImportError as err:  # not built, or built against another torch: say how to rebuild
+    raise ImportError(
+        f"rheo_engine._C does not load with torch {torch.__version__} ({err}); build it against "
+        "the installed torch: `bash rheo.sh setup` in a clone, or `pip install "
+        "--no-build-isolation .` (docs/building.md)"
+    ) from err
 
 PoolKind = Literal["topk", "rheo"]
 VerifyMethod = Literal["topk", "rrsw", "rheo"]
@@ -36,6 +43,17 @@ def has_cuda() -> bool:
 def build_info() -> str:
     """What the extension holds, e.g. ``'cpu'`` or ``'cpu + cuda sm_90'``."""
     return str(_C.build_info())
+
+
+def cuda_build_note() -> str:
+    """Why the build did or did not compile the CUDA kernels (setup.py's reason, e.g. "torch
+    has no CUDA", "nvcc not found", "GPU found"); "" for a build that did not record it."""
+    return str(_C.cuda_build_note())
+
+
+def built_with_torch() -> str:
+    """The torch version the extension was compiled against ("" when not recorded)."""
+    return str(_C.built_with_torch())
 
 
 CpuIsa = Literal["default", "avx2", "avx512"]
