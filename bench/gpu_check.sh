@@ -14,8 +14,9 @@
 #                      the default pair's outputs; reused when complete), in the background
 #                      while the CUDA tests run (it needs the built extension, not the GPU)
 #   cuda_tests    150  pytest -k cuda over the six kernel test files and every tests/test_*.py
-#                      with a test named for cuda; a CUDA test skipped, or a kernel test file
-#                      with no CUDA test passed, fails
+#                      with a test named for cuda (bench/pytest_no_crash.py: a test that
+#                      crashes the process is reported and the rest still run); a CUDA test
+#                      skipped or crashed, or a kernel test file with no CUDA test passed, fails
 #   bench_kernels 120  bench/bench_kernels_gpu.py --device cuda: every kernel vs torch, paper sizes
 #   e2e_T1, e2e_T0  110 each  bench/e2e.py --methods ar rheo --device cuda --dtype bfloat16 on
 #                      the widened pair, E2E_PROMPTS prompts x E2E_SEEDS seeds, 128 new tokens,
@@ -247,7 +248,10 @@ KERNEL_TESTS=(tests/test_pool_sampler.py tests/test_proxy_rerank.py tests/test_t
 mapfile -t CUDA_TESTS < <(printf '%s\n' "${KERNEL_TESTS[@]}" \
     $(grep -l -E 'def test_[A-Za-z0-9_]*cuda' tests/test_*.py) | sort -u)
 if [ "$BUILT" = 0 ]; then
-    step cuda_tests 150 "$PY" -m pytest -q -rsp -p no:cacheprovider -k cuda "${CUDA_TESTS[@]}"
+    # bench/pytest_no_crash.py: a test that crashes the process is reported (CRASHED nodeid)
+    # and deselected, and the other tests run again: one crash no longer hides the rest.
+    step cuda_tests 150 "$PY" bench/pytest_no_crash.py -rsp -p no:cacheprovider -k cuda \
+        "${CUDA_TESTS[@]}"
     check_ran cuda_tests
     counts=$(log_of cuda_tests | grep -E '[0-9]+ (passed|failed)' | tail -n 1 | tr -d '=' |
         sed 's/^ *//; s/ *$//')

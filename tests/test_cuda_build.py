@@ -51,8 +51,11 @@ def compile_flags(stub_dir: Path) -> list[str]:
             *(f"-I{d}" for d in includes)]  # fmt: skip
 
 
-@pytest.mark.skipif(cuda_include() is None, reason="no CUDA toolkit (cuda_runtime.h) on this "
-                    "machine: the bindings' CUDA branches are compiled where nvcc is installed")  # fmt: skip
+NO_TOOLKIT = ("no CUDA toolkit (cuda_runtime.h) on this machine: the bindings' CUDA branches "
+              "are compiled where nvcc is installed")
+
+
+@pytest.mark.skipif(cuda_include() is None, reason=NO_TOOLKIT)
 def test_every_binding_compiles_with_cuda(tmp_path):
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     stub.parent.mkdir(parents=True)
@@ -74,7 +77,7 @@ def test_a_cuda_only_defect_fails_the_check(tmp_path):
     """Negative control: code that is wrong only under RHEO_WITH_CUDA fails these flags (and
     compiles without them), so the check above does compile the CUDA branches."""
     if cuda_include() is None:
-        pytest.skip("no CUDA toolkit (cuda_runtime.h) on this machine")
+        pytest.skip(NO_TOOLKIT)
     src = tmp_path / "bad.cpp"
     src.write_text('#include "binding_utils.h"\n'
                    "void f(const signed char* c) {\n#ifdef RHEO_WITH_CUDA\n"

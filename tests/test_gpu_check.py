@@ -95,6 +95,7 @@ def test_dry_run_lists_every_step_in_order(tmp_path):
     assert "FORCE_CUDA=1" in build and "--no-build-isolation" in build and "-e ." in build
     tests = _log(logs, "cuda_tests")
     assert "-k cuda" in tests and "-rsp" in tests  # p: the passed tests, per kernel file
+    assert "bench/pytest_no_crash.py" in tests  # a crashing test does not end the run
     for name in KERNEL_TESTS + ["test_host_reads.py"]:  # test_host_reads has CUDA tests too
         assert f"tests/{name}" in tests
     assert "test_cuda_emu.py" not in tests  # the CPU emulator: no GPU test there
@@ -142,6 +143,8 @@ arg_after() {  # arg_after FLAG ARGS...: the value after FLAG
     local want=$1; shift
     while [ $# -gt 1 ]; do [ "$1" = "$want" ] && echo "$2"; shift; done
 }
+# bench/pytest_no_crash.py ARGS runs pytest ARGS (its own test: test_pytest_no_crash_*)
+[ "${1:-}" = bench/pytest_no_crash.py ] && set -- -m pytest "${@:2}"
 case "$1" in
     -) exec "$REAL_PYTHON" "$@" ;;
     -m)
@@ -291,3 +294,48 @@ def test_bench_kernels_on_a_machine_without_a_gpu_is_a_one_line_error():
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--device cuda" in run.stderr
+
+
+# --- bench/pytest_no_crash.py -------------------------------------------------------------------
+
+CRASHING_TESTS = """
+import ctypes, os
+
+def test_before():
+    pass
+
+def test_crashes():
+    ctypes.string_at(0)  # a segmentation fault, as a bad device read gives
+
+def test_aborts():
+    os.abort()
+
+def test_after():
+    pass
+
+def test_fails():
+    assert False
+"""
+
+
+def test_pytest_no_crash_reports_crashed_tests_and_runs_the_rest(tmp_path):
+    (tmp_path / "test_crashing.py").write_text(CRASHING_TESTS)
+    run = subprocess.run([sys.executable, str(BENCH / "pytest_no_crash.py"), "-rsp",
+                          "-p", "no:cacheprovider", "test_crashing.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = run.stdout
+    assert run.returncode == 1, out[-3000:]
+    assert "CRASHED test_crashing.py::test_crashes (killed by SIGSEGV)" in out
+    assert "CRASHED test_crashing.py::test_aborts (killed by SIGABRT)" in out
+    assert re.search(r"1 failed, 2 passed, 2 deselected", out), out[-2000:]
+    assert out.rstrip().endswith(
+        "2 crashed: test_crashing.py::test_crashes test_crashing.py::test_aborts")
+    assert "PASSED test_crashing.py::test_after" in out  # -rp: the tests after the crash ran
+
+
+def test_pytest_no_crash_passes_pytest_status_through(tmp_path):
+    (tmp_path / "test_fine.py").write_text("def test_ok():\n    pass\n")
+    run = subprocess.run([sys.executable, str(BENCH / "pytest_no_crash.py"), "-p",
+                          "no:cacheprovider", "test_fine.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "1 passed" in run.stdout and "crashed" not in run.stdout

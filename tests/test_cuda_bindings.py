@@ -1,4 +1,4 @@
-"""Every binding's CUDA branch, as a user's Python call reaches it, on the CUDA emulator (issue 37).
+"""Every binding's CUDA branch, as a user's Python call reaches it, against the CPU (issue 37).
 
 tests/test_cuda_emu.py runs each .cu kernel against its CPU twin by calling its launcher with
 arguments the test fills in. A user's call goes through the binding instead (bindings/*.cpp),
@@ -6,13 +6,18 @@ which fills those arguments itself: on the first GPU, the fused operators' bindi
 row range of their arguments at [0, 0) on the CUDA branch (only the CPU branch set it), so no
 kernel ran and uninitialised memory came back, while every emulator test passed.
 
-Here the bindings are built a second time, as a torch extension whose CUDA branch runs on the
-emulator (csrc/emu; RHEO_WITH_CUDA + RHEO_CUDA_EMU): a CPU tensor stands for a device one
-(bindings/binding_utils.h ``on_cuda``), so every call takes the branch a GPU user's call takes,
-with the .cu kernels running on host memory. Each kernel's Python wrapper
-(rheo_engine.spec.kernels) is called once with the real extension (the CPU kernels) and once
-with this one, on the same inputs; the results must be equal bit for bit, as the CUDA kernels
-are on the emulator. The build (torch.utils.cpp_extension, ninja) is kept in build/emu_bindings.
+So each kernel's Python wrapper (rheo_engine.spec.kernels) is called twice on the same inputs,
+once on the CPU and once through the CUDA branch, and the results compared: bit for bit where
+the CUDA kernels give the CPU's bits, within the emulator suite's bounds where they sum in
+another order (tree attention; the pool's sums). The CUDA branch runs on two sides:
+
+- ``emulator`` (every machine): the bindings built a second time, as a torch extension whose
+  CUDA branch runs on the CUDA emulator (csrc/emu; RHEO_WITH_CUDA + RHEO_CUDA_EMU). A CPU tensor
+  stands for a device one (bindings/binding_utils.h ``on_cuda``), so every call takes the branch
+  a GPU user's call takes, the .cu kernels running on host memory. Built with
+  torch.utils.cpp_extension (ninja) into build/emu_bindings, kept across runs.
+- ``cuda`` (a GPU and rheo_engine._C built with CUDA; bench/gpu_check.sh runs it): the inputs
+  moved to the GPU, the real extension.
 """
 
 from __future__ import annotations
@@ -76,12 +81,34 @@ def emu_C():
     )  # fmt: skip
 
 
-def both(emu_C, monkeypatch, fn):
-    """``fn()`` with the real extension (CPU branch), then with the emulated one (CUDA branch)."""
-    cpu = fn()
+@pytest.fixture(params=["emulator", "cuda"])
+def side(request):
+    """(move, extension): how the second call's inputs are placed and which extension runs it
+    (None: rheo_engine._C itself)."""
+    if request.param == "cuda":
+        if not (torch.cuda.is_available() and kernels.has_cuda()):
+            pytest.skip("the cuda side needs a CUDA GPU and rheo_engine._C built with CUDA "
+                        "(python -m rheo_engine.info); the emulator side runs here")  # fmt: skip
+        return (lambda t: t.cuda()), None
+    return (lambda t: t), request.getfixturevalue("emu_C")
+
+
+def to_cpu(out):
+    if isinstance(out, torch.Tensor):
+        return out.cpu()
+    if dataclasses.is_dataclass(out):
+        return type(out)(**{f.name: to_cpu(getattr(out, f.name)) for f in dataclasses.fields(out)})
+    return type(out)(to_cpu(o) for o in out)
+
+
+def both(side, monkeypatch, fn):
+    """``fn(move)`` on the CPU (move: identity), then through the CUDA branch; both on the CPU."""
+    move, extension = side
+    cpu = fn(lambda t: t)
     with monkeypatch.context() as m:
-        m.setattr(kernels, "_C", emu_C)
-        cuda = fn()
+        if extension is not None:
+            m.setattr(kernels, "_C", extension)
+        cuda = to_cpu(fn(move))
     return cpu, cuda
 
 
@@ -120,32 +147,30 @@ def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
 # SmolLM2's widths: hidden 576, 9 q heads and 3 kv heads of 64, intermediate 1536.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_fused_ops_through_their_wrappers(emu_C, monkeypatch, dtype, rows):
+def test_fused_ops_through_their_wrappers(side, monkeypatch, dtype, rows):
     x, delta = rand(rows, 576, dtype=dtype, seed=1), rand(rows, 576, dtype=dtype, seed=2)
     w = rand(576, dtype=dtype, seed=3, scale=0.1) + 1
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.add_rms_norm(x, w, 1e-5, delta)))
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.add_rms_norm(x, w, 1e-5)[1]))
+    def norm(to):
+        return kernels.add_rms_norm(to(x), to(w), 1e-5, to(delta))
+
+    assert_same_bits(*both(side, monkeypatch, norm))
+    assert_same_bits(*both(side, monkeypatch,
+                           lambda to: kernels.add_rms_norm(to(x), to(w), 1e-5)[1]))  # fmt: skip
     H, Hkv, D = 9, 3, 64
     qkv = rand(rows, (H + 2 * Hkv) * D, dtype=dtype, seed=4)
-    angle = torch.arange(rows)[:, None] * torch.rand(D // 2, generator=torch.Generator().manual_seed(5))
+    freqs = torch.rand(D // 2, generator=torch.Generator().manual_seed(5))
+    angle = torch.arange(rows)[:, None] * freqs
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.rope_qk(qkv, cos, sin, H, Hkv)))
+    def rope(to):
+        return kernels.rope_qk(to(qkv), to(cos), to(sin), H, Hkv)
+
+    assert_same_bits(*both(side, monkeypatch, rope))
     gate_up = rand(rows, 2 * 1536, dtype=dtype, seed=6, scale=3)
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.silu_mul(gate_up)))
+    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.silu_mul(to(gate_up))))
     # a column slice of a wider tensor (strided rows), as the models hand gate_up over
-    wide = rand(rows, 2 * 1536 + 64, dtype=dtype, seed=7)[:, : 2 * 1536]
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.silu_mul(wide)))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", ROWS)
-def test_quantized_linear_through_its_wrappers(emu_C, monkeypatch, dtype, rows):
-    x = rand(rows, 576, dtype=dtype, seed=8)
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.quantize_rows_q8(x)))
-    for qtype in ("q8_0", "q4_0", "q4_1"):
-        w = random_quant_weight(qtype, 40, 576, seed=9)
-        assert_same_bits(*both(emu_C, monkeypatch,
-                               lambda w=w, q=qtype: kernels.quant_linear(x, w.packed, q, 40)))  # fmt: skip
+    wide = rand(rows, 2 * 1536 + 64, dtype=dtype, seed=7)
+    assert_same_bits(*both(side, monkeypatch,
+                           lambda to: kernels.silu_mul(to(wide)[:, : 2 * 1536])))  # fmt: skip
 
 
 def random_quant_weight(qtype: str, out: int, in_: int, seed: int) -> QuantWeight:
@@ -156,40 +181,56 @@ def random_quant_weight(qtype: str, out: int, in_: int, seed: int) -> QuantWeigh
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_skinny_linear_through_its_wrapper(emu_C, monkeypatch, dtype, rows):
-    x, w = rand(rows, 576, dtype=dtype, seed=10), rand(72, 576, dtype=dtype, seed=11, scale=0.05)
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.skinny_linear(x, w)))
+def test_quantized_linear_through_its_wrappers(side, monkeypatch, dtype, rows):
+    x = rand(rows, 576, dtype=dtype, seed=8)
+    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.quantize_rows_q8(to(x))))
+    for qtype in ("q8_0", "q4_0", "q4_1"):
+        packed = random_quant_weight(qtype, 40, 576, seed=9).packed
+        assert_same_bits(*both(side, monkeypatch, lambda to, p=packed, q=qtype:
+                               kernels.quant_linear(to(x), to(p), q, 40)))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tree_attention_through_its_wrapper(emu_C, monkeypatch, dtype):
+@pytest.mark.parametrize("rows", ROWS)
+def test_skinny_linear_through_its_wrapper(side, monkeypatch, dtype, rows):
+    x, w = rand(rows, 576, dtype=dtype, seed=10), rand(72, 576, dtype=dtype, seed=11, scale=0.05)
+    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.skinny_linear(to(x), to(w))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_attention_through_its_wrapper(side, monkeypatch, dtype):
     from test_tree_attention import random_inputs
 
     # float32 sums in another order on CUDA (tests/cuda_emu/kernel_tests.cpp, same tolerances)
-    q, k, v, mask = random_inputs(2, 9, 6, 2, 64, 40, dtype=dtype, seed=12)
     tol = 1e-4 if dtype == torch.float32 else 1.6e-2
-    assert_close(*both(emu_C, monkeypatch, lambda: kernels.tree_attention(q, k, v, mask, 40)), tol)
+    q, k, v, mask = random_inputs(2, 9, 6, 2, 64, 40, dtype=dtype, seed=12)
+    assert_close(*both(side, monkeypatch, lambda to: kernels.tree_attention(
+        to(q), to(k), to(v), to(mask), 40)), tol)  # fmt: skip
     # a ragged batch from a KV pool: per-sequence prefixes and slots on the device
-    q, k, v, mask = random_inputs(2, 5, 4, 4, 32, 30, extra_rows=0, dtype=dtype, seed=14)
+    q, k, v, mask = random_inputs(2, 5, 4, 4, 32, 30, dtype=dtype, seed=14)
     k, v = torch.cat([k, k.flip(0)]), torch.cat([v, v.flip(0)])  # 4 slots
     lens, slots = torch.tensor([30, 11], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
-    assert_close(*both(emu_C, monkeypatch, lambda: kernels.tree_attention(
-        q, k, v, mask, 30, prefix_lens=lens, kv_slots=slots)), tol)  # fmt: skip
+    def ragged(to):
+        return kernels.tree_attention(to(q), to(k), to(v), to(mask), 30, prefix_lens=to(lens),
+                                      kv_slots=to(slots))  # fmt: skip
+
+    assert_close(*both(side, monkeypatch, ragged), tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_pool_sampler_through_its_wrapper(emu_C, monkeypatch, dtype):
+def test_pool_sampler_through_its_wrapper(side, monkeypatch, dtype):
     """The draws and tokens equal; the float64/float32 sums within the emulator suite's bounds
     (tests/cuda_emu/kernel_tests.cpp: 1e-12 / 2e-5, another order of sums on CUDA)."""
     logits = rand(16, 300, dtype=dtype, seed=15, scale=3)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
-    for K, m, S, T, kind in [(8, 2, 64, 0.8, "rheo"), (3, 0, 5, 1.3, "rheo"), (6, 1, 20, 1.0, "topk")]:
+    pools = [(8, 2, 64, 0.8, "rheo"), (3, 0, 5, 1.3, "rheo"), (6, 1, 20, 1.0, "topk")]
+    for K, m, S, T, kind in pools:
 
-        def run(K=K, m=m, S=S, T=T, kind=kind):
-            return kernels.pool_sampler(logits, K, m, S, T, kind=kind, seed=9, step=2, level=1,
-                                        status=kernels.status_word("cpu"))  # fmt: skip
+        def run(to, K=K, m=m, S=S, T=T, kind=kind):
+            return kernels.pool_sampler(to(logits), K, m, S, T, kind=kind, seed=9, step=2,
+                                        level=1, status=to(kernels.status_word("cpu")))  # fmt: skip
 
-        cpu, cuda = both(emu_C, monkeypatch, run)
+        cpu, cuda = both(side, monkeypatch, run)
         assert_same_bits((cpu.tokens, cpu.sampled_slot, cpu.q_tilde_ids),
                          (cuda.tokens, cuda.sampled_slot, cuda.q_tilde_ids))  # fmt: skip
         for name in ("log_proxy", "q_tilde", "q_sampled"):
@@ -200,65 +241,70 @@ def test_pool_sampler_through_its_wrapper(emu_C, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_verification_through_its_wrappers(emu_C, monkeypatch, dtype):
+def test_verification_through_its_wrapper(side, monkeypatch, dtype):
     from test_verification import random_trees
 
     tree = random_trees(3, 9, 40, seed=16, dtype=dtype)
     for method, T, controls in [("rheo", 1.0, {}), ("rrsw", 0.7, dict(top_p=0.9, top_k=5)),
                                 ("topk", 0.0, {}), ("rheo", 0.8, dict(min_p=0.1))]:  # fmt: skip
 
-        def run(method=method, T=T, controls=controls):
-            walk = kernels.verification(*tree, method, T, **controls, seed=3, step=1,
-                                        status=kernels.status_word("cpu"))  # fmt: skip
+        def run(to, method=method, T=T, controls=controls):
+            walk = kernels.verification(*map(to, tree), method, T, **controls, seed=3, step=1,
+                                        status=to(kernels.status_word("cpu")))  # fmt: skip
             return walk.accept_path, walk.accept_len, walk.bonus_token
 
-        assert_same_bits(*both(emu_C, monkeypatch, run))
+        assert_same_bits(*both(side, monkeypatch, run))
 
 
-def test_proxy_rerank_through_its_wrappers(emu_C, monkeypatch):
+def test_proxy_rerank_through_its_wrappers(side, monkeypatch):
     from test_proxy_rerank import draft
 
     scores = rand(4, 37, seed=17).log_softmax(-1)
-    status = kernels.status_word("cpu")
-    assert_same_bits(*both(emu_C, monkeypatch, lambda: kernels.select_expand(scores, 6, status)))
+    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.select_expand(
+        to(scores), 6, to(kernels.status_word("cpu")))))  # fmt: skip
     for B, topk, K, depth, N in [(2, 10, 10, 8, 60), (3, 3, 4, 3, 9)]:
         args = draft(B, topk, K, depth, torch.Generator().manual_seed(18 + B))
 
-        def run(args=args, N=N, depth=depth):
-            t = kernels.build_tree(**args, total_tokens=N, depth=depth, status=status)
+        def run(to, args=args, N=N, depth=depth):
+            t = kernels.build_tree(**{k: to(v) for k, v in args.items()}, total_tokens=N,
+                                   depth=depth, status=to(kernels.status_word("cpu")))  # fmt: skip
             return tuple(getattr(t, f.name) for f in dataclasses.fields(t))
 
-        assert_same_bits(*both(emu_C, monkeypatch, run))
+        assert_same_bits(*both(side, monkeypatch, run))
+
+
+def test_logit_controls_through_its_wrapper(side, monkeypatch):
+    from test_logit_controls import _controls_inputs
+
+    a = _controls_inputs(3, 12, 50, 6, seed=13)
+
+    def run(to):
+        logits = to(a["logits"].clone())
+        rest = {k: to(v) for k, v in a.items() if k != "logits"}
+        kernels.logit_controls(logits=logits, **rest, repetition_penalty=1.3,
+                               presence_penalty=0.5, frequency_penalty=0.25,
+                               status=to(kernels.status_word("cpu")))  # fmt: skip
+        return logits
+
+    assert_same_bits(*both(side, monkeypatch, run))
 
 
 @pytest.mark.parametrize("case", ["non_finite_draft", "bad_forced", "nan_score", "bad_tree",
                                   "non_finite_target", "bad_verify_input"])  # fmt: skip
-def test_bad_input_sets_the_status_bit_on_the_cuda_branch(emu_C, monkeypatch, case):
+def test_bad_input_sets_the_status_bit_on_the_cuda_branch(side, monkeypatch, case):
     """What the CPU refuses at once (ValueError), the CUDA branch marks in the status word (no
-    host read): the bit the step then raises from, with the same rule."""
+    host read): the bit the step then raises from, with the same rule; nothing crashes."""
     from test_host_reads import STATUS_CASES
 
     bit, call, rule = STATUS_CASES[case]
     with pytest.raises(ValueError, match=rule):
         call(kernels.status_word("cpu"))
-    status = kernels.status_word("cpu")
-    monkeypatch.setattr(kernels, "_C", emu_C)
+    move, extension = side
+    status = move(kernels.status_word("cpu"))
+    if extension is not None:
+        monkeypatch.setattr(kernels, "_C", extension)
     call(status)
-    assert status.item() & bit, f"status {status.item():#x} lacks bit {bit:#x}"
+    word = int(status.item())
+    assert word & bit, f"status {word:#x} lacks bit {bit:#x}"
     with pytest.raises(ValueError, match=rule):
-        kernels.raise_status(status.item())
-
-
-def test_logit_controls_through_its_wrapper(emu_C, monkeypatch):
-    from test_logit_controls import _controls_inputs
-
-    a = _controls_inputs(3, 12, 50, 6, seed=13)
-
-    def run():
-        logits = a["logits"].clone()
-        kernels.logit_controls(**{**a, "logits": logits}, repetition_penalty=1.3,
-                               presence_penalty=0.5, frequency_penalty=0.25,
-                               status=kernels.status_word("cpu"))  # fmt: skip
-        return logits
-
-    assert_same_bits(*both(emu_C, monkeypatch, run))
+        kernels.raise_status(word)
