@@ -308,3 +308,24 @@ def test_bad_input_sets_the_status_bit_on_the_cuda_branch(side, monkeypatch, cas
     assert word & bit, f"status {word:#x} lacks bit {bit:#x}"
     with pytest.raises(ValueError, match=rule):
         kernels.raise_status(word)
+
+
+def test_logit_controls_refuses_a_tree_over_the_shared_memory_limit(side, monkeypatch):
+    """Past the GPU's opt-in shared memory (4 bytes a node's path entry): one line naming N and
+    the bytes, the logits untouched, the process alive (on the first H200 this call crashed
+    it). The emulator's device 0 is an H200: 227 KiB."""
+    from test_logit_controls import _controls_inputs
+
+    move, extension = side
+    if extension is None:
+        limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    else:
+        limit = 227 * 1024
+        monkeypatch.setattr(kernels, "_C", extension)
+    N = (limit - 16) // 4 + 1
+    a = {k: move(v) for k, v in _controls_inputs(1, N, 8, 4, seed=1, fanout=8).items()}
+    before = a["logits"].clone()
+    with pytest.raises(ValueError, match=f"N={N} nodes need {16 + 4 * N} bytes") as err:
+        kernels.logit_controls(**a, repetition_penalty=1.3)
+    assert "\n" not in str(err.value) and f"over the {limit} of GPU" in str(err.value)
+    assert torch.equal(a["logits"], before)
