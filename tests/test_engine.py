@@ -52,13 +52,44 @@ def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     return logits[0].float()
 
 
-def hf_greedy(hf, ids: list[int], n: int, eos: int) -> list[int]:
-    """Greedy decoding over HF transformers' logits, stopping at EOS. Each token runs the whole
-    sequence again (no cache): the plainest greedy loop there is, and cheap at this size."""
-    out: list[int] = []
+# Two fp32 Llamas summing in different orders (ours, HF's; and torch's GEMM picks its order by
+# CPU: AVX2, AVX-512, oneDNN's AMX) give logits ~1e-5 apart: where HF's best two logits lie
+# closer than this, which one wins depends on the machine, not on the engine.
+NEAR_TIE = 1e-4
+
+
+class Golden(list):
+    """HF's greedy tokens; ``cut`` when the list stops before a near tie (NEAR_TIE), past which
+    another machine may rightly pick the other token."""
+
+    cut = False
+
+
+def near_tie(scores: torch.Tensor) -> bool:
+    top2 = scores.float().topk(2).values
+    return bool(top2[0] - top2[1] <= NEAR_TIE)
+
+
+def assert_greedy(tokens: list[int], golden: Golden, *context) -> None:
+    """tokens == golden; only golden's length of them when golden was cut at a near tie."""
+    if golden.cut:
+        assert tokens[: len(golden)] == list(golden), context
+    else:
+        assert tokens == list(golden), context
+
+
+def hf_greedy(hf, ids: list[int], n: int, eos: int) -> Golden:
+    """Greedy decoding over HF transformers' logits, stopping at EOS (or cut at a near tie).
+    Each token runs the whole sequence again (no cache): the plainest greedy loop there is, and
+    cheap at this size."""
+    out = Golden()
     with torch.no_grad():
         for _ in range(n):
-            token = int(hf(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            logits = hf(input_ids=torch.tensor([ids + out])).logits[0, -1]
+            if near_tie(logits):
+                out.cut = True
+                break
+            token = int(logits.argmax())
             if token == eos:
                 break
             out.append(token)
@@ -75,12 +106,13 @@ def test_fp32_greedy_of_every_method_equals_hf(engine32, hf_target, prompt):
     golden = hf_greedy(hf_target, ids, GREEDY_TOKENS, eos)
     assert len(golden) >= 16, "HF stopped almost at once: pick a prompt that runs on"
     ar = engine32.generate(ids, GREEDY_TOKENS, method="ar", temperature=0)
-    assert ar.token_ids == golden
+    assert_greedy(ar.token_ids, golden)
     for method in SPEC_METHODS:
         for tree_name, tree in TREES.items():
             gen = engine32.generate(ids, GREEDY_TOKENS, method=method, temperature=0, seed=1,
                                     **tree)  # fmt: skip
-            assert gen.token_ids == golden, (method, tree_name)
+            assert_greedy(gen.token_ids, golden, method, tree_name)
+            assert gen.token_ids == ar.token_ids, (method, tree_name)  # ours: the same bits
             assert gen.stop_reason == ar.stop_reason
             assert gen.steps < ar.steps, (method, tree_name, "no draft was ever accepted")
 

@@ -19,6 +19,7 @@ import torch
 from conftest import shared_file
 from paper_layouts import GENERATION_CONFIGS, SPECS, write_heads, write_target
 from test_eagle3_layouts import one_line
+from test_engine import Golden, assert_greedy, near_tie
 
 from rheo_engine import Engine
 from rheo_engine.io.weights import load_safetensors
@@ -109,11 +110,17 @@ def hf_greedy(layout: Layout, ids: list[int], eos: tuple[int, ...]) -> list[int]
         x = torch.tensor([ids])
         with torch.no_grad():
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 temperature=None, top_p=None, max_new_tokens=NEW)  # fmt: skip
-        _HF_CACHE[key] = out[0, len(ids) :].tolist()
-    new = _HF_CACHE[key]
-    cut = next((i for i, t in enumerate(new) if t in eos), len(new))
-    return new[:cut]
+                                 temperature=None, top_p=None, max_new_tokens=NEW,
+                                 output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        tokens = out.sequences[0, len(ids) :].tolist()
+        # Cut before a near tie of HF's scores: past it the machine decides (test_engine).
+        tie = next((i for i, s in enumerate(out.scores) if near_tie(s[0])), None)
+        _HF_CACHE[key] = (tokens if tie is None else tokens[:tie], tie is not None)
+    new, tied = _HF_CACHE[key]
+    cut = next((i for i, t in enumerate(new) if t in eos), None)
+    golden = Golden(new if cut is None else new[:cut])
+    golden.cut = tied and cut is None
+    return golden
 
 
 @pytest.mark.parametrize("head", ["authors", "specforge"])
@@ -129,9 +136,10 @@ def test_loads_unchanged_and_decodes_like_transformers(layout: Layout, head: str
     rheo = engine.generate(ids, method="rheo", temperature=0, max_new_tokens=NEW, **FIXED_TREE)
     ar = engine.generate(ids, method="ar", temperature=0, max_new_tokens=NEW)
     hf = hf_greedy(layout, ids, engine.eos_ids)
-    assert len(hf) == NEW or ar.stop_reason == "eos", (hf, ar.token_ids)
-    assert ar.token_ids == hf
-    assert rheo.token_ids == hf, (rheo.token_ids, hf, rheo.accept_lengths)
+    assert len(hf) == NEW or ar.stop_reason == "eos" or hf.cut, (hf, ar.token_ids)
+    assert len(hf) >= 8, "HF's greedy hits a near tie at once: pick another prompt"
+    assert_greedy(ar.token_ids, hf)
+    assert rheo.token_ids == ar.token_ids, (rheo.token_ids, hf, rheo.accept_lengths)
     assert rheo.stop_reason == ar.stop_reason
     assert len(set(hf)) >= 2 or len(hf) < NEW  # not one token repeated: a real comparison
 

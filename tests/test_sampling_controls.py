@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from stats_utils import g_test
-from test_engine import G_PROMPT, G_RUNS, G_TREE, hf_greedy
+from test_engine import G_PROMPT, G_RUNS, G_TREE, Golden, assert_greedy, hf_greedy, near_tie
 
 from rheo_engine import Engine
 from rheo_engine.config import SamplingConfig
@@ -109,11 +109,14 @@ def hf_controlled_greedy(hf, ids, n, eos_ids, repetition_penalty, min_new_tokens
         lp.RepetitionPenaltyLogitsProcessor(repetition_penalty),
         lp.MinNewTokensLengthLogitsProcessor(len(ids), min_new_tokens, list(eos_ids)),
     ])  # fmt: skip
-    out: list[int] = []
+    out = Golden()
     with torch.no_grad():
         for _ in range(n):
             seq = torch.tensor([ids + out])
             scores = procs(seq, hf(input_ids=seq).logits[:, -1].float())
+            if near_tie(scores[0]):  # past it the machine decides (test_engine.NEAR_TIE)
+                out.cut = True
+                break
             token = int(scores[0].argmax())
             if token in eos_ids:
                 break
@@ -125,14 +128,15 @@ def test_greedy_with_penalties_equals_hf_for_every_method(engine32, hf_target):
     ids = engine32.tokenizer.encode("def quicksort(xs):")
     golden = hf_controlled_greedy(hf_target, ids, 40, engine32.eos_ids, 1.3, 0)
     plain = hf_greedy(hf_target, ids, 40, engine32.eos_ids[0])
-    assert golden != plain, "the penalty changes nothing here: pick another prompt"
+    common = min(len(golden), len(plain))
+    assert golden[:common] != plain[:common], "the penalty changes nothing: pick another prompt"
     for method in ("ar", "topk", "rrsw", "rheo"):
         gen = engine32.generate(ids, 40, method=method, temperature=0, repetition_penalty=1.3,
                                 presence_penalty=0.0, tree="fixed", topk=4, depth=4,
                                 total_tokens=12)  # fmt: skip
-        assert gen.token_ids == golden, method
+        assert_greedy(gen.token_ids, golden, method)
         if method != "ar":
-            assert gen.steps < len(golden), (method, "no draft accepted: the tree is untested")
+            assert gen.steps < len(gen.token_ids), (method, "no draft accepted: tree untested")
 
 
 def test_min_new_tokens_bans_eos_inside_the_tree(engine32, hf_target, monkeypatch):
@@ -147,7 +151,7 @@ def test_min_new_tokens_bans_eos_inside_the_tree(engine32, hf_target, monkeypatc
     for method in ("ar", "rheo"):
         gen = engine32.generate(ids, 12, method=method, temperature=0, min_new_tokens=6,
                                 tree="fixed", topk=4, depth=4, total_tokens=12)  # fmt: skip
-        assert gen.token_ids == golden, method
+        assert_greedy(gen.token_ids, golden, method)
     cut = engine32.generate(ids, 12, method="rheo", temperature=0)  # no minimum: EOS at 2
     assert cut.token_ids == first[:2] and cut.stop_reason == "eos"
     kept = engine32.generate(ids, 12, method="rheo", temperature=0, ignore_eos=True)
