@@ -422,7 +422,11 @@ def test_stories_matches_hf_and_llama2c_goldens(stories_dir: Path) -> None:
     ids = torch.tensor([PROMPT + GREEDY_32[:20]])
     ref, _ = hf_forward(hf.eval(), ids)
     logits, _, _ = prefill(ours, ids)
-    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    # Two fp32 implementations summing in different orders, and torch's GEMM picks its own by
+    # CPU: 1.04e-5 apart at most on an AVX2-only AMD EPYC (the 1e-5 this once allowed passed on
+    # AVX-512 CPUs only). A real error (RoPE, norm, mask) moves logits by far more than 1e-4.
+    assert ref.abs().max() > 1.0  # the check is not vacuous
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
     top = logits[0, 0].topk(5)
     assert top.indices.tolist() == [t for t, _ in TOP5_AFTER_BOS]
     torch.testing.assert_close(
