@@ -87,14 +87,13 @@ def _extension() -> tuple[object, str]:
     if with_cuda:
         info = f"cpu + cuda {_cuda_archs()}"
     include_dirs.append(_write_build_info(info, why))
-    defines: list[str] = []
     if not with_cuda:
         ext = cpp_extension.CppExtension(
             "rheo_engine._C", sources, include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx + defines}, extra_link_args=["-fopenmp"],
+            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
         )  # fmt: skip
         return ext, f"{info} ({why})"
-    cuda_defines = ["-DRHEO_WITH_CUDA"] + defines
+    cuda_defines = ["-DRHEO_WITH_CUDA"]
     # -fmad=false: nvcc fuses a * b + c into one FMA by default; off, a GPU rounds + - * / as the
     # CPU kernels and the emulator do (docs/kernels.md §7).
     ext = cpp_extension.CUDAExtension(

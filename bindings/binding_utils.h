@@ -115,7 +115,7 @@ inline at::ScalarType acc_dtype(DType dtype) {
 }
 
 // True when `t` lives on a CUDA device; raises a clear error on a CPU-only build. In the
-// emulator's build of the bindings (RHEO_CUDA_EMU: tests/test_cuda_bindings_emu.py) every CPU
+// emulator's build of the bindings (RHEO_CUDA_EMU: tests/test_cuda_bindings.py) every CPU
 // tensor stands for a device one, so each call takes the CUDA branch a GPU user's call takes,
 // with the emulator running the .cu kernels on host memory.
 inline bool on_cuda(const at::Tensor& t, const char* name) {

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cpu_isa import assert_same_bits  # bit for bit: -0.0 and NaN payloads count
 
 from rheo_engine.models.quant import QuantWeight
 from rheo_engine.spec import kernels
@@ -112,24 +113,16 @@ def both(side, monkeypatch, fn):
     return cpu, cuda
 
 
+def same(side, monkeypatch, what: str, fn) -> None:
+    """``fn(move)`` gives the same bits on the CPU and through the CUDA branch."""
+    assert_same_bits(*both(side, monkeypatch, fn), what)
+
+
 def assert_close(cpu: torch.Tensor, cuda: torch.Tensor, tol: float) -> None:
     """Within ``tol`` of the values' scale: a kernel whose CUDA twin sums in another order."""
     assert cuda.dtype == cpu.dtype and cuda.shape == cpu.shape
     scale = cpu.float().abs().max().clamp_min(1.0)
     torch.testing.assert_close(cuda.float(), cpu.float(), rtol=0, atol=tol * scale.item())
-
-
-def assert_same_bits(cpu, cuda) -> None:
-    if isinstance(cpu, torch.Tensor):
-        assert cuda.dtype == cpu.dtype and cuda.shape == cpu.shape
-        same = torch.equal(cpu, cuda) or (
-            cpu.is_floating_point() and torch.equal(cpu.isnan(), cuda.isnan())
-            and torch.equal(cpu.nan_to_num(), cuda.nan_to_num())
-        )  # fmt: skip
-        assert same, (cpu.flatten()[:8], cuda.flatten()[:8])
-        return
-    for a, b in zip(cpu, cuda, strict=True):
-        assert_same_bits(a, b)
 
 
 def test_the_emulated_build_takes_the_cuda_branch(emu_C):
@@ -150,27 +143,23 @@ def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
 def test_fused_ops_through_their_wrappers(side, monkeypatch, dtype, rows):
     x, delta = rand(rows, 576, dtype=dtype, seed=1), rand(rows, 576, dtype=dtype, seed=2)
     w = rand(576, dtype=dtype, seed=3, scale=0.1) + 1
-    def norm(to):
-        return kernels.add_rms_norm(to(x), to(w), 1e-5, to(delta))
-
-    assert_same_bits(*both(side, monkeypatch, norm))
-    assert_same_bits(*both(side, monkeypatch,
-                           lambda to: kernels.add_rms_norm(to(x), to(w), 1e-5)[1]))  # fmt: skip
+    same(side, monkeypatch, "add_rms_norm",
+         lambda to: kernels.add_rms_norm(to(x), to(w), 1e-5, to(delta)))  # fmt: skip
+    same(side, monkeypatch, "add_rms_norm, no delta",
+         lambda to: kernels.add_rms_norm(to(x), to(w), 1e-5)[1])  # fmt: skip
     H, Hkv, D = 9, 3, 64
     qkv = rand(rows, (H + 2 * Hkv) * D, dtype=dtype, seed=4)
     freqs = torch.rand(D // 2, generator=torch.Generator().manual_seed(5))
     angle = torch.arange(rows)[:, None] * freqs
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-    def rope(to):
-        return kernels.rope_qk(to(qkv), to(cos), to(sin), H, Hkv)
-
-    assert_same_bits(*both(side, monkeypatch, rope))
+    same(side, monkeypatch, "rope_qk",
+         lambda to: kernels.rope_qk(to(qkv), to(cos), to(sin), H, Hkv))  # fmt: skip
     gate_up = rand(rows, 2 * 1536, dtype=dtype, seed=6, scale=3)
-    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.silu_mul(to(gate_up))))
+    same(side, monkeypatch, "silu_mul", lambda to: kernels.silu_mul(to(gate_up)))
     # a column slice of a wider tensor (strided rows), as the models hand gate_up over
     wide = rand(rows, 2 * 1536 + 64, dtype=dtype, seed=7)
-    assert_same_bits(*both(side, monkeypatch,
-                           lambda to: kernels.silu_mul(to(wide)[:, : 2 * 1536])))  # fmt: skip
+    same(side, monkeypatch, "silu_mul, strided",
+         lambda to: kernels.silu_mul(to(wide)[:, : 2 * 1536]))  # fmt: skip
 
 
 def random_quant_weight(qtype: str, out: int, in_: int, seed: int) -> QuantWeight:
@@ -183,18 +172,18 @@ def random_quant_weight(qtype: str, out: int, in_: int, seed: int) -> QuantWeigh
 @pytest.mark.parametrize("rows", ROWS)
 def test_quantized_linear_through_its_wrappers(side, monkeypatch, dtype, rows):
     x = rand(rows, 576, dtype=dtype, seed=8)
-    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.quantize_rows_q8(to(x))))
+    same(side, monkeypatch, "quantize_rows_q8", lambda to: kernels.quantize_rows_q8(to(x)))
     for qtype in ("q8_0", "q4_0", "q4_1"):
         packed = random_quant_weight(qtype, 40, 576, seed=9).packed
-        assert_same_bits(*both(side, monkeypatch, lambda to, p=packed, q=qtype:
-                               kernels.quant_linear(to(x), to(p), q, 40)))  # fmt: skip
+        same(side, monkeypatch, qtype,
+             lambda to, p=packed, q=qtype: kernels.quant_linear(to(x), to(p), q, 40))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_skinny_linear_through_its_wrapper(side, monkeypatch, dtype, rows):
     x, w = rand(rows, 576, dtype=dtype, seed=10), rand(72, 576, dtype=dtype, seed=11, scale=0.05)
-    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.skinny_linear(to(x), to(w))))
+    same(side, monkeypatch, "skinny_linear", lambda to: kernels.skinny_linear(to(x), to(w)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -232,7 +221,7 @@ def test_pool_sampler_through_its_wrapper(side, monkeypatch, dtype):
 
         cpu, cuda = both(side, monkeypatch, run)
         assert_same_bits((cpu.tokens, cpu.sampled_slot, cpu.q_tilde_ids),
-                         (cuda.tokens, cuda.sampled_slot, cuda.q_tilde_ids))  # fmt: skip
+                         (cuda.tokens, cuda.sampled_slot, cuda.q_tilde_ids), kind)  # fmt: skip
         for name in ("log_proxy", "q_tilde", "q_sampled"):
             got, want = getattr(cuda, name), getattr(cpu, name)
             finite = want.isfinite()
@@ -253,15 +242,15 @@ def test_verification_through_its_wrapper(side, monkeypatch, dtype):
                                         status=to(kernels.status_word("cpu")))  # fmt: skip
             return walk.accept_path, walk.accept_len, walk.bonus_token
 
-        assert_same_bits(*both(side, monkeypatch, run))
+        same(side, monkeypatch, method, run)
 
 
 def test_proxy_rerank_through_its_wrappers(side, monkeypatch):
     from test_proxy_rerank import draft
 
     scores = rand(4, 37, seed=17).log_softmax(-1)
-    assert_same_bits(*both(side, monkeypatch, lambda to: kernels.select_expand(
-        to(scores), 6, to(kernels.status_word("cpu")))))  # fmt: skip
+    same(side, monkeypatch, "select_expand",
+         lambda to: kernels.select_expand(to(scores), 6, to(kernels.status_word("cpu"))))
     for B, topk, K, depth, N in [(2, 10, 10, 8, 60), (3, 3, 4, 3, 9)]:
         args = draft(B, topk, K, depth, torch.Generator().manual_seed(18 + B))
 
@@ -270,7 +259,7 @@ def test_proxy_rerank_through_its_wrappers(side, monkeypatch):
                                    depth=depth, status=to(kernels.status_word("cpu")))  # fmt: skip
             return tuple(getattr(t, f.name) for f in dataclasses.fields(t))
 
-        assert_same_bits(*both(side, monkeypatch, run))
+        same(side, monkeypatch, "build_tree", run)
 
 
 def test_logit_controls_through_its_wrapper(side, monkeypatch):
@@ -286,7 +275,7 @@ def test_logit_controls_through_its_wrapper(side, monkeypatch):
                                status=to(kernels.status_word("cpu")))  # fmt: skip
         return logits
 
-    assert_same_bits(*both(side, monkeypatch, run))
+    same(side, monkeypatch, "logit_controls", run)
 
 
 @pytest.mark.parametrize("case", ["non_finite_draft", "bad_forced", "nan_score", "bad_tree",

@@ -46,7 +46,7 @@ def compile_flags(stub_dir: Path) -> list[str]:
     if not macros.is_file():
         includes.append(str(stub_dir))  # searched last: a real header wins
     return ["-std=c++17", "-fsyntax-only", "-w", "-fopenmp", "-DRHEO_WITH_CUDA",
-            '-DRHEO_BUILD_INFO="cpu + cuda"', "-DTORCH_EXTENSION_NAME=_C",
+            "-DTORCH_EXTENSION_NAME=_C",
             "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1",
             *(f"-I{d}" for d in includes)]  # fmt: skip
 

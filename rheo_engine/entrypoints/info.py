@@ -22,10 +22,10 @@ def cpu_line() -> str:
 def info_lines() -> list[str]:
     from rheo_engine.spec import kernels
 
-    note = kernels.cuda_build_note()
+    note, against = kernels.cuda_build_note(), kernels.built_with_torch()
     built = f"rheo_engine._C: {kernels.build_info()}" + (f" ({note})" if note else "")
-    if kernels.built_with_torch():
-        built += f", built against torch {kernels.built_with_torch()}"
+    if against:
+        built += f", built against torch {against}"
     lines = [built, cpu_line()]
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     lines.append(
