@@ -178,13 +178,20 @@ def test_auto_tree_greedy_equals_ar_in_fp32(fp32_default):
         assert measured.token_ids == want and measured.trees.predicted_s > 0
 
 
-def test_auto_tree_with_a_saved_profile_reproduces_a_seed(tiny, tmp_path, monkeypatch):
-    # A profile file pins a seed's trees until its first steps contradict it; the tiny target's
-    # sub-millisecond steps can do so on a busy machine (then it is measured again and the trees
-    # differ: docs/tree_policy.md §4, tested apart). This test is about the file.
+@pytest.fixture
+def profiles_as_measured(tmp_path, monkeypatch):
+    """A cache of this test's own, and profiles taken as measured. On a busy machine the tiny
+    target's sub-millisecond timings can put a profile in doubt (not kept) or contradict a kept
+    one (measured again, and then the trees differ: a profile pins a seed only until its first
+    steps contradict it, docs/tree_policy.md §4); both are tested apart, the tests using this
+    are about keeping and reading profiles."""
     monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
     monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
+
+
+@pytest.mark.usefixtures("profiles_as_measured")
+def test_auto_tree_with_a_saved_profile_reproduces_a_seed(tiny, tmp_path):
     path = tmp_path / "profile.json"
     first = tiny.generate(PROMPT, 24, temperature=1.0, seed=7, cost_profile=path)
     assert path.is_file()
@@ -193,6 +200,7 @@ def test_auto_tree_with_a_saved_profile_reproduces_a_seed(tiny, tmp_path, monkey
     assert again.trees.shapes == first.trees.shapes
 
 
+@pytest.mark.usefixtures("profiles_as_measured")
 def test_measured_profile_is_kept_per_machine_and_reused_by_a_new_engine(
     tiny, tmp_path, monkeypatch
 ):
@@ -206,13 +214,6 @@ def test_measured_profile_is_kept_per_machine_and_reused_by_a_new_engine(
     def new_engine() -> Engine:  # what a new process would hold: no profile in memory
         return Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
 
-    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
-    # On a busy machine the tiny target's sub-millisecond timings can put a profile in doubt
-    # (not kept) or contradict a kept one (measured again, and then the trees differ: a kept
-    # profile pins a seed only until its first steps contradict it, docs/tree_policy.md §4);
-    # both are tested apart, this test is about keeping.
-    monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
-    monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
     measured = new_engine()
     first = measured.generate(PROMPT, 24, temperature=1.0, seed=11, **SMALL)
     kept = list((tmp_path / "cache" / "profiles").glob("*.json"))
