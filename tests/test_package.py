@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -54,8 +55,7 @@ def test_torch_bounded_everywhere():
 
     assert str(torch_spec(PROJECT["build-system"]["requires"])) == "==2.13.0"
     runtime = torch_spec(PROJECT["project"]["dependencies"])
-    assert {"2.13.0", "2.13.0+cpu", "2.11.0+cu130"} <= set(runtime.filter(
-        ["2.13.0", "2.13.0+cpu", "2.11.0+cu130"]))  # fmt: skip
+    assert all(runtime.contains(v) for v in ("2.13.0", "2.13.0+cpu", "2.11.0+cu130"))
     assert not runtime.contains("2.14.0") and not runtime.contains("2.10.0")
 
 
@@ -111,8 +111,6 @@ def test_wheel_installs_and_runs_outside_the_clone(tmp_path):
 
 def _wheel_with(tmp_path: Path, requires: list[str]) -> Path:
     """A wheel file holding only a METADATA that declares ``requires``."""
-    import zipfile
-
     wheel = tmp_path / "demo-1.0-py3-none-any.whl"
     lines = ["Metadata-Version: 2.1", "Name: demo", "Version: 1.0"]
     lines += [f"Requires-Dist: {r}" for r in requires]
