@@ -209,13 +209,14 @@ MC_RUNS = 300  # batches; each gives one sample per request
 MC_TREE = dict(tree="fixed", topk=4, depth=2, total_tokens=6)
 
 
-@pytest.fixture(scope="module")
-def batch_samples(engine32):
+@pytest.fixture(scope="module", params=[False, True], ids=["eager", "static"])
+def batch_samples(engine32, request):
     """Per request: its prompt ids, and (first, second) token and first accept length of each
-    of MC_RUNS batched runs (distinct seeds), all four requests decoded together every run."""
+    of MC_RUNS batched runs (distinct seeds), all four requests decoded together every run;
+    the target's forwards eager, or on the static buffers CUDA captures (runtime/graphs.py)."""
     prompts = [engine32.tokenizer.encode(p) for p, *_ in MC_REQUESTS]
     assert len({len(ids) for ids in prompts}) == len(prompts)
-    decoder = engine32.decoder(max_batch=4, max_len=64)
+    decoder = engine32.decoder(max_batch=4, max_len=64, graphs=request.param)
     pairs = [[] for _ in MC_REQUESTS]
     accepts = [[] for _ in MC_REQUESTS]
     for run in range(MC_RUNS):
@@ -229,6 +230,8 @@ def batch_samples(engine32):
             pairs[b].append(tuple(gen.token_ids[:2]))
             accepts[b].append(gen.accept_lengths[0])
     assert decoder.pool.free_slots == 4 and not decoder.running
+    if request.param:  # every step ran on the static buffers
+        assert decoder.static.steps >= MC_RUNS and decoder.static.eager == 0
     return prompts, pairs, accepts
 
 

@@ -216,6 +216,11 @@ class SlotBatch:
             self._lens = torch.tensor(self.lengths, dtype=torch.int32, device=self.pool.k.device)
         return self._lens
 
+    @property
+    def slots_dev(self) -> torch.Tensor:
+        """[B] int32 slots on the device (uploaded once per view)."""
+        return self._slots_dev
+
     def _upload_lengths(self) -> None:
         self._lens, self._rows = None, {}
 

@@ -40,6 +40,7 @@ from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.parallel import TPGroup
+from rheo_engine.runtime.graphs import StaticTarget, graphs_enabled
 from rheo_engine.runtime.lookup_policy import (
     LocalCosts,
     StepCosts,
@@ -136,10 +137,17 @@ class _SlotTarget:
     """The target over one batch of KV slots, as step.speculative_step sees it: a tree's
     forward (mask and positions come with the tree) and the ragged commit of each entry's path."""
 
-    def __init__(self, model: LlamaModel, view: SlotBatch, feature_layers: tuple[int, ...]):
+    def __init__(self, model: LlamaModel, view: SlotBatch, feature_layers: tuple[int, ...],
+                 static: StaticTarget | None = None):  # fmt: skip
         self.model, self.view, self.feature_layers = model, view, feature_layers
+        self.static = static
 
     def forward_tree(self, tree: kernels.Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.static is not None:  # the buckets' static buffers (graphs on CUDA)
+            out = self.static.forward(self.view, tree.tokens, tree.positions, tree.tree_mask,
+                                      self.feature_layers)  # fmt: skip
+            if out is not None:
+                return out
         return self.model.forward(
             tree.tokens.long(), tree.positions.long(), self.view, tree.tree_mask,
             self.feature_layers,
@@ -174,7 +182,10 @@ class BatchDecoder:
     the other ranks a control message with what they cannot know (the request's prompt ids
     and options with its seed, the step's batches and trees); their decoders of the same
     shape replay it (``follow``) and so run the same forwards, collectives and coins. With
-    ``tp.check`` every step's emitted tokens are compared across ranks."""
+    ``tp.check`` every step's emitted tokens are compared across ranks.
+
+    ``graphs`` (graphs.graphs_enabled: default $RHEO_GRAPHS, "auto" = on CUDA): the target's
+    tree forwards run on static buffers per size bucket, replayed as CUDA graphs on CUDA."""
 
     def __init__(
         self,
@@ -184,6 +195,7 @@ class BatchDecoder:
         max_len: int | None = None,
         profiles: dict[str, CostProfile] | None = None,
         tp: TPGroup | None = None,
+        graphs: str | bool | None = None,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
@@ -197,6 +209,9 @@ class BatchDecoder:
         self.pool = target.new_pool(self.max_len, max_batch)
         self.drafter = None if head is None else Eagle3Drafter(head, self.max_len, max_batch)
         self.status = kernels.status_word(target.device)
+        # The target's tree forwards on static buffers, captured as CUDA graphs (graphs.py).
+        self.static = StaticTarget(target, self.pool) if graphs_enabled(target.device, graphs) \
+            else None  # fmt: skip
         self.running: list[SeqState] = []
         self._policies: dict[TreeGroup, FixedTree | AutoTree] = {}
         self._views: dict[tuple[int, ...], SlotBatch] = {}  # the last view of each batch
@@ -563,7 +578,7 @@ class BatchDecoder:
     def _measure_lookup(self, seq: SeqState, key: str) -> StepCosts:
         request = seq.request
         view = self.pool.batch([seq.slot])
-        target = _SlotTarget(self.target, view, ())
+        target = _SlotTarget(self.target, view, (), self.static)
         prefix = view.lengths_dev
         free = self.max_len - self.pool.lengths[seq.slot]
         probe_step = 2**42  # coins no request (nor the head's measurements) draws
@@ -698,7 +713,8 @@ class BatchDecoder:
         the head takes part (it also queues the pairs of a plain step); ``drafted``: a lookup
         tree made before the step; ``merge``: lookup candidates merged into the head's tree."""
         view = self._view(slots)
-        target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else ())
+        target = _SlotTarget(self.target, view, self.head.feature_layers if drafts else (),
+                             self.static)  # fmt: skip
         if drafts:
             self.drafter.begin(view.slots)
         # Nothing between two steps reads the device: the prefix lengths go up with the view,
@@ -786,7 +802,7 @@ class BatchDecoder:
         (its slot's committed rows and head pairs; the trees are run and never committed)."""
         request, cfg, head = seq.request, seq.request.tree_cfg, self.head
         view = self.pool.batch([seq.slot])
-        target = _SlotTarget(self.target, view, head.feature_layers)
+        target = _SlotTarget(self.target, view, head.feature_layers, self.static)
         self.drafter.begin([seq.slot])
         prefix = view.lengths_dev
         # Coins of a step index no request reaches, so the times measured (which the trees of
@@ -827,7 +843,8 @@ class BatchDecoder:
         rows = min(request.context, len(ids) + 4 * (cfg.depth + 1) + cfg.total_tokens)
         if rows < len(ids) + cfg.total_tokens + cfg.depth + 1:
             return
-        scratch = BatchDecoder(self.target, head, 1, rows, self.profiles)
+        scratch = BatchDecoder(self.target, head, 1, rows, self.profiles,
+                               graphs=self.static is not None)  # fmt: skip
         slot = scratch.pool.acquire()
         root = scratch._prefill_ids(slot, ids, True)
         probe_step = 2**41  # coins no request (nor the measurement, 2**40) draws

@@ -242,11 +242,15 @@ class Engine:
         assert request.result is not None
         return request.result
 
-    def decoder(self, max_batch: int = 8, max_len: int | None = None) -> BatchDecoder:
+    def decoder(
+        self, max_batch: int = 8, max_len: int | None = None, graphs: str | bool | None = None
+    ) -> BatchDecoder:
         """A decoder of ``max_batch`` KV slots of ``max_len`` rows over this engine's models
-        (rheo_engine.runtime.decoder; the scheduler's, or a list of prompts')."""
+        (rheo_engine.runtime.decoder; the scheduler's, or a list of prompts'). ``graphs``: the
+        target's tree forwards on static buffers, captured on CUDA (default $RHEO_GRAPHS, "auto":
+        on CUDA only; runtime/graphs.py)."""
         return BatchDecoder(self.target, self.head, max_batch, max_len, self.cost_profiles,
-                            self.tp)  # fmt: skip
+                            self.tp, graphs)  # fmt: skip
 
     def _run_alone(self, request: Request):
         """Iterate a request on a decoder of one slot sized for it (prompt + max_new_tokens +
