@@ -21,6 +21,9 @@
 #   e2e_T1, e2e_T0  110 each  bench/e2e.py --methods ar rheo --device cuda --dtype bfloat16 on
 #                      the widened pair, E2E_PROMPTS prompts x E2E_SEEDS seeds, 128 new tokens,
 #                      the paper's fixed 60/8/10 tree; rheo's speed over ar's timed interleaved
+#   profile        90  bench/step_profile.py --device cuda on the same pair: per method (ar, rheo
+#                      with the paper tree, T = 1), eager and captured (runtime/graphs.py), ms a
+#                      step, kernel launches and host reads a step, the GPU's busy share
 #   tp2            90  bench/tp.py --tp 2 --device cuda on the same pair (NCCL), when nvidia-smi
 #                      lists two GPUs; skipped with the reason otherwise
 # Every step runs under `timeout`, and the steps share one deadline (BUDGET_S, default 470 s) so
@@ -335,7 +338,25 @@ for T in 1 0; do
     fi
 done
 
-# 4c. Tensor parallel over two GPUs (NCCL), when the machine has two: TP = 1 against TP = 2 on
+# 4c. The profile line per method: ms a step, kernel launches a step, host reads a step and the
+# GPU's busy share, ar and rheo (the paper tree, T = 1), eager and captured (runtime/graphs.py).
+if [ "$BUILT" != 0 ]; then
+    skip profile "no CUDA build"
+elif [ "$DRY" != 1 ] && ! { [ -f "$TARGET/config.json" ] && [ -f "$DRAFT/config.json" ]; }; then
+    skip profile "no model pair at $TARGET, $DRAFT"
+else
+    step profile 90 "$PY" bench/step_profile.py --target "$TARGET" --draft "$DRAFT" \
+        --device cuda --dtype bfloat16 --methods ar rheo --graphs 0 1 --temperature 1 \
+        --prompts 3 --max-new-tokens 64 --tree fixed --md "$LOGDIR/profile.md" &&
+        [ "$DRY" != 1 ] && fig "$("$PY" - "$LOGDIR/profile.md" <<'EOF' 2>&1
+import sys
+rows = [l.split(" | ") for l in open(sys.argv[1]) if l.startswith("| ar |") or l.startswith("| rheo |")]
+print("; ".join(f"{r[0][2:]} {r[1]}: {r[2]} ms, {r[4]} launches, {r[6]} busy" for r in rows))
+EOF
+)"
+fi
+
+# 4d. Tensor parallel over two GPUs (NCCL), when the machine has two: TP = 1 against TP = 2 on
 # the same pair, the collectives' count, bytes and share of a step (bench/tp.py).
 N_GPUS=$(grep -c '^GPU' "$LOGDIR/nvidia-smi.log" 2>/dev/null || true)
 if [ "$BUILT" != 0 ]; then
@@ -391,6 +412,12 @@ for T in (1, 0):
               f"**{rheo['speedup']:.2f}x** ± {rheo['speedup_std']:.2f} | {rheo['tau_mean']:.2f} "
               f"| {ar['tau_mean']:.2f} | {rheo['tokens']} |")
 EOF
+    fi
+    if [ -f "$LOGDIR/profile.md" ]; then
+        echo
+        echo "A step, eager and captured (bench/step_profile.py; ms: median over prompts):"
+        echo
+        sed '1s/^# //' "$LOGDIR/profile.md"
     fi
     echo
     echo "Logs: $LOGDIR/<step>.log (bash bench/gpu_check.sh)."

@@ -534,6 +534,28 @@ def test_throughput_and_batch_ops_quick():
     assert bad.returncode == 2 and "--concurrency" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_step_profile_counts_what_a_gpu_launches(tmp_path):
+    """bench/step_profile.py on the default pair: a row per (method, static buffers); the
+    static buffers launch fewer operators a step (the target's forward is one replay), every
+    step reads the host once (the verdict) beside the prefill's, and the markdown is written."""
+    md = tmp_path / "profile.md"
+    run = _run_script(["bench/step_profile.py", *SMALL_TREE, "--prompts", "2",
+                       "--max-new-tokens", "12", "--md", str(md)])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("| ar |", "| rheo |"))]
+    rows = {(r[0][2:], r[1]): r for r in (line.split(" | ") for line in lines)}
+    assert set(rows) == {(m, g) for m in ("ar", "rheo") for g in ("off", "on")}, run.stdout
+    ops = {k: float(r[4]) for k, r in rows.items()}
+    reads = {k: float(r[5]) for k, r in rows.items()}
+    for m in ("ar", "rheo"):
+        assert ops[m, "on"] < ops[m, "off"] / 1.3, ops  # the forward's operators: one launch
+        assert 1.0 <= reads[m, "on"] <= 2.0 and reads[m, "on"] == reads[m, "off"], reads
+    assert rows["ar", "off"][-1].startswith("1.00x")
+    assert md.read_text().startswith("# bench=step_profile") and "| rheo | on |" in md.read_text()
+    bad = _run_script(["bench/step_profile.py", "--graphs", "2"])
+    assert bad.returncode == 2 and "--graphs" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_tp_quick(context, tmp_path):
     """bench/tp.py on the default pair, TP 1 vs 2, one run of 8 tokens: the tables print, the
     collectives per step are 2 all-reduces a layer and 1 logits gather, and the projection's

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPT = BENCH / "gpu_check.sh"
 STEPS = ["preflight", "build", "has_cuda", "cuda_tests", "widen", "bench_kernels", "e2e_T1",
-         "e2e_T0", "tp2"]  # fmt: skip
+         "e2e_T0", "profile", "tp2"]  # fmt: skip
 KERNEL_TESTS = ["test_pool_sampler.py", "test_proxy_rerank.py", "test_tree_attention.py",
                 "test_verification.py", "test_skinny_linear.py",
                 "test_logit_controls.py"]  # fmt: skip
@@ -109,6 +109,9 @@ def test_dry_run_lists_every_step_in_order(tmp_path):
                      f"--temperature {T}", "--max-new-tokens 128", "--tree fixed"):  # fmt: skip
             assert flag in e2e
         assert f"--target {tmp_path / 'widened' / 'target'}" in e2e
+    profile = _log(logs, "profile")
+    for flag in ("bench/step_profile.py", "--device cuda", "--graphs 0 1", "--methods ar rheo"):
+        assert flag in profile
 
 
 def test_dry_run_needs_no_gpu_and_writes_prompts_on_a_fresh_clone(tmp_path):
@@ -183,6 +186,14 @@ case "$1" in
             "| tree_attention | prefix=1024 | 20.0 | 60.0 | 3.00 | SDPA | ok |" \
             "| select_expand | M=100 | 10.0 | 5.0 | 0.50 | torch.topk | ok |" >"$md"
         cat "$md"; exit 0 ;;
+    bench/step_profile.py)
+        md=$(arg_after --md "$@")
+        printf '%s\n' "# bench=step_profile device=cuda" "" \
+            "| method | static buffers | ms / step | tokens / step | kernel launches / step | host reads / step | GPU busy | speed vs ar (off) |" \
+            "| --- | --- | --- | --- | --- | --- | --- | --- |" \
+            "| ar | off | 6.80 | 1.00 | 250 | 1.0 | 20% | 1.00x |" \
+            "| ar | on | 2.10 | 1.00 | 40 | 1.0 | 70% | 3.20x |" >"$md"
+        cat "$md"; exit 0 ;;
     bench/e2e.py)
         out=$(arg_after --out "$@") T=$(arg_after --temperature "$@")
         rheo=$([ "$T" = 1 ] && echo 150.0 || echo 200.0)
@@ -225,6 +236,9 @@ def test_real_path_summary_holds_every_figure(tmp_path, fake_python):
     assert "| tree_attention | prefix=1024 | 20.0 | 60.0 | 3.00 |" in summary  # the kernel table
     assert "| 1 | 100.0 | 150.0 | **1.50x** ± 0.05 | 3.25 | 1.00 | 768 |" in summary
     assert "| 0 | 100.0 | 200.0 | **2.00x** ± 0.05 | 3.25 | 1.00 | 768 |" in summary
+    assert rows["profile"][2] == ("ar off: 6.80 ms, 250 launches, 20% busy; "
+                                  "ar on: 2.10 ms, 40 launches, 70% busy")  # fmt: skip
+    assert "| ar | on | 2.10 | 1.00 | 40 | 1.0 | 70% | 3.20x |" in summary  # the profile table
     assert (tmp_path / "widened" / "target" / "config.json").is_file()
     assert rows["widen"][2].endswith(f"in {tmp_path / 'widened'}, made beside cuda_tests")
     assert _log(logs, "build").startswith("$ timeout 300 env FORCE_CUDA=1")  # the command first

@@ -1,4 +1,4 @@
-"""The target's forward over a tree as a replay of fixed buffers (DESIGN §2.9; docs/gpu.md).
+"""The target's forward over a tree as a replay of fixed buffers (docs/building.md, "CUDA graphs").
 
 A CUDA graph replays fixed shapes at fixed addresses. So the forward of a step's tree runs on
 static buffers: the ids, positions and mask of a tree padded to a size bucket, the batch's slots
