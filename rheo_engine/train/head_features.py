@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from rheo_engine.io.weights import save_safetensors
+from rheo_engine.models.linear import linear
 from rheo_engine.models.llama import LlamaModel
 
 CONTEXT = 16  # prompt tokens kept before each reply in a window
@@ -118,7 +119,9 @@ def shard_features(target: LlamaModel, seqs: list[tuple[np.ndarray, int]],
         tokens.append(x[0, a:].cpu())
         features.append(f[0, a:].to("cpu", store))
         hidden.append(hw.to("cpu", store))
-        argmax.append(torch.nn.functional.linear(hw, lm.to(hw.dtype)).argmax(-1).cpu())
+        # The engine's matmul (kernels.skinny_linear): torch's bf16 GEMM on a CPU without bf16
+        # instructions (AVX2) took ~10x the prefill itself for this [L, 576] x [576, 49152].
+        argmax.append(linear(hw, lm.to(hw.dtype)).argmax(-1).cpu())
         lengths.append(L - a)
     return Packed(torch.cat(tokens), torch.cat(features), torch.cat(hidden), torch.cat(argmax),
                   torch.tensor(lengths).cumsum(0))  # fmt: skip
