@@ -82,12 +82,13 @@ def chain_tree(B: int, N: int, lengths: list[int], seed: int):
 def prefilled(engine, B: int, lengths: list[int], rows: int = 80):
     """A pool of B slots holding real prompts of these lengths (committed), and its view."""
     target = engine.target
+    dev = target.device
     pool = target.new_pool(rows, B)
     for s, n in enumerate(lengths):
         assert pool.acquire() == s
         view = pool.batch([s])
         ids = torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(s))
-        target.forward(ids, torch.arange(n).view(1, n), view)
+        target.forward(ids.to(dev), torch.arange(n, device=dev).view(1, n), view)
         view.advance(n)
     return pool, pool.batch(list(range(B)))
 
@@ -216,3 +217,49 @@ def test_static_steps_emit_the_eager_tokens(default_engine, method, sampling):
         else:
             assert decoder.static is None
     assert got[True] == got[False]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def cuda_engine():
+    from rheo_engine import Engine
+
+    return Engine.from_pretrained(device="cuda", dtype=torch.float32)
+
+
+@needs_cuda
+def test_cuda_graph_replays_the_eager_forward(cuda_engine):
+    """On a GPU: a bucket is captured once, and its replays with other trees at other lengths
+    give the eager forward's logits and features (fp32; cuBLAS may sum in another order for
+    another row count, so within 1e-4, not bit for bit)."""
+    engine = cuda_engine
+    layers = engine.head.feature_layers
+    pool, _ = prefilled(engine, 2, [9, 23])
+    static = StaticTarget(engine.target, pool)
+    for step, N in enumerate((10, 13)):
+        for s in range(2):
+            pool.lengths[s] += 2 * step
+        view = pool.batch([0, 1])
+        tokens, positions, mask = (t.cuda() for t in chain_tree(2, N, view.lengths, step))
+        out = static.forward(view, tokens, positions, mask, layers)
+        assert out is not None and static.broken is None
+        eager = engine.target.forward(tokens, positions, view, mask, layers)
+        torch.testing.assert_close(out[0], eager[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[1], eager[1], atol=1e-4, rtol=1e-4)
+    assert len(static.captures) == 1 and static.steps == 2  # one bucket (16), captured once
+
+
+@needs_cuda
+def test_cuda_graphs_decode_with_no_eager_step(cuda_engine):
+    """A batch decodes on captured graphs only (no step falls back), its drafts accepted."""
+    engine = cuda_engine
+    decoder = engine.decoder(max_batch=3, max_len=96)  # RHEO_GRAPHS unset: on CUDA
+    assert decoder.static is not None
+    requests = [engine.request(p, 24, method="rheo", **GREEDY, **TREE) for p in PROMPTS]
+    gens = decoder.run(requests)
+    assert decoder.static.broken is None and decoder.static.eager == 0
+    assert decoder.static.steps >= 8 and decoder.static.captures
+    assert all(len(g.token_ids) == 24 for g in gens)
+    assert max(a for g in gens for a in g.accept_lengths) > 1

@@ -113,6 +113,24 @@ def test_acceptance_moves_the_choice():
     assert policy.probes > 0 and policy.probe_share <= 0.03
 
 
+def test_pairs_waiting_for_the_head_are_priced_into_a_chosen_tree():
+    """A tree step first runs the head over the pairs of the plain steps before it: with level
+    costs per row, a tree that pays at once does not after 30 plain steps (30 pairs), nor in a
+    batch of 4 after 8; a probe is not charged for them (whatever drafts next runs them: a
+    probe that paid for them would never come while they pile up)."""
+    prof = CostProfile("toy", {1: 1.0, 2: 1.05, 16: 1.3}, 0.05, {1: 0.02, 4: 0.08, 32: 0.64},
+                       {1: 0.0})  # fmt: skip
+    assert prof.waiting_s(1) == 0.0 and prof.waiting_s(30) == pytest.approx(0.58)
+    policy = trained(prof, [1])  # two tokens a step
+    assert policy.choose(100, 100, waiting=1).method == "rheo"
+    assert policy.choose(100, 100, waiting=30).method == "ar"
+    policy.set_batch(4)
+    assert policy.choose(100, 100, waiting=8).method == "ar"  # 32 rows padded
+    cold = AutoTree(BOUND, prof)
+    methods = [cold.choose(100, 100, waiting=50 + k).method for k in range(AutoTree.PROBE_FIRST)]
+    assert methods[-1] == "rheo" and cold.predicted_s < 2.0  # the probe, priced without them
+
+
 def test_profile_round_trip_and_bad_file(tmp_path):
     prof = CostProfile("k", {1: 0.1, 8: 0.2}, 0.01, {4: 0.02, 10: 0.03}, {1: 0.0, 8: 0.001}, 1.5)
     prof.save(tmp_path / "p.json")

@@ -46,6 +46,10 @@ class Eagle3Drafter:
         self.slots: list[int] = list(range(slots))  # the batch of the current step
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
 
+    def waiting(self, slot: int = 0) -> int:
+        """Pairs of a slot queued since the head last ran: its next draft runs them first."""
+        return self._pending_rows[slot]
+
     def length(self, slot: int = 0) -> int:
         """m of a slot: its committed pairs, those waiting to run included."""
         return self.pool.lengths[slot] + self._pending_rows[slot]
@@ -106,7 +110,8 @@ class Eagle3Drafter:
         feats, toks, counts = [], [], []
         for s in waiting:
             feats.append(torch.cat([f for f, _ in self._pending[s]], 0))
-            toks.append(torch.cat([t for _, t in self._pending[s]], 0))
+            # a plain step's token comes from the host (commit), a tree's from the device
+            toks.append(torch.cat([t.to(dev) for _, t in self._pending[s]], 0))
             counts.append(feats[-1].shape[0])
             self._pending[s], self._pending_rows[s] = [], 0
         if len(waiting) == 1:  # one sequence: slices of its slot, no padding (as one cache)
@@ -258,11 +263,12 @@ class Eagle3Drafter:
         self._level = -1
         B, N, F_in = features.shape
         dev = features.device
-        bonus = verdict.bonus_token.to(dev).long().view(B, 1)
-        if N == 1:  # a plain step: each root's pair, nothing to gather
+        if N == 1:  # a plain step: each root's pair, its bonus token from the host copy (no
+            # device operator: a plain step of rheo costs what one of ar does, less this)
             for b, slot in enumerate(self.slots):
-                self._queue(slot, features[b], bonus[b])
+                self._queue(slot, features[b], torch.tensor(outcome.bonus_token[b : b + 1]))
             return
+        bonus = verdict.bonus_token.to(dev).long().view(B, 1)
         lens = outcome.accept_len
         if B == 1:  # one sequence: its path, no padding
             path = verdict.accept_path[0, : lens[0]].long().to(dev)  # root first

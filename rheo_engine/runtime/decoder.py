@@ -209,6 +209,8 @@ class BatchDecoder:
         self.pool = target.new_pool(self.max_len, max_batch)
         self.drafter = None if head is None else Eagle3Drafter(head, self.max_len, max_batch)
         self.status = kernels.status_word(target.device)
+        self._weights = target.quantized_kinds()  # for the cost keys (a walk over every matrix)
+        self._lookup_cost_of: tuple[int, StepCosts] | None = None  # (threads, _lookup_costs)
         # The target's tree forwards on static buffers, captured as CUDA graphs (graphs.py).
         self.static = StaticTarget(target, self.pool) if graphs_enabled(target.device, graphs) \
             else None  # fmt: skip
@@ -474,12 +476,16 @@ class BatchDecoder:
         # never from its coins or logits; see tree_policy and step.fit_tree.
         if isinstance(policy, AutoTree):
             policy.set_batch(len(seqs))
-            cfg = policy.choose(min(map(room, seqs)), max(map(wanted, seqs)))
+            cfg = policy.choose(min(map(room, seqs)), max(map(wanted, seqs)), self._waiting(seqs))
             return [(seqs, cfg, policy)]
         parts: dict[TreeConfig, list[SeqState]] = {}
         for s in seqs:
             parts.setdefault(policy.choose(room(s), wanted(s)), []).append(s)
         return [(part, cfg, policy) for cfg, part in parts.items()]
+
+    def _waiting(self, seqs: list[SeqState]) -> int:
+        """The most pairs any of these sequences has waiting for the head (AutoTree.choose)."""
+        return max(self.drafter.waiting(s.slot) for s in seqs)
 
     def _plan_lookup(self, seqs: list[SeqState], room, wanted):
         """Prompt lookup's step: per sequence its own tree of lookup candidates, as many nodes
@@ -514,7 +520,8 @@ class BatchDecoder:
         policy = self._policy(seqs[0])
         if isinstance(policy, AutoTree):
             policy.set_batch(len(seqs))
-            heads = [(seqs, policy.choose(min(map(room, seqs)), max(map(wanted, seqs))))]
+            heads = [(seqs, policy.choose(min(map(room, seqs)), max(map(wanted, seqs)),
+                                          self._waiting(seqs)))]  # fmt: skip
         else:
             by_cfg: dict[TreeConfig, list[SeqState]] = {}
             for s in seqs:
@@ -561,9 +568,12 @@ class BatchDecoder:
         pinned = seq.request.cost_profile
         if isinstance(pinned, CostProfile):
             return costs_from_profile(pinned)
+        threads = torch.get_num_threads()
+        if self._lookup_cost_of is not None and self._lookup_cost_of[0] == threads:
+            return self._lookup_cost_of[1]  # every step but the first (the key has the threads)
         target = self.target
         tp = 1 if target.tp is None else target.tp.size
-        key = costs_key(target.cfg, target.device, target.dtype, tp, target.quantized_kinds())
+        key = costs_key(target.cfg, target.device, target.dtype, tp, self._weights)
         costs = self.profiles.get(key) or cached_costs(key)
         if costs is None:
             start = time.perf_counter()
@@ -572,6 +582,7 @@ class BatchDecoder:
             seq.request.measure_s += time.perf_counter() - start
             keep_costs(costs)
         self.profiles[key] = costs
+        self._lookup_cost_of = (threads, costs)
         return costs
 
     @waits("measuring this machine's lookup step costs (once per model, dtype, threads)")
@@ -745,6 +756,9 @@ class BatchDecoder:
         (CostProfile.doubts) is measured once more and never kept; a kept profile that the
         first real steps contradict (AutoTree.contradicted) is measured again (docs/tree_policy.md
         §4)."""
+        policy = self._policies.get(seq.group)
+        if policy is not None and not (isinstance(policy, AutoTree) and policy.contradicted):
+            return policy  # every step but a group's first
         request, cfg = seq.request, seq.request.tree_cfg
 
         @waits("measuring this machine's step costs (once per model, dtype, threads, T = 0/> 0)")
@@ -774,7 +788,7 @@ class BatchDecoder:
             pool = pool_kind(cfg.method, request.sampling.temperature)
             tp = 1 if target.tp is None else target.tp.size
             key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk,
-                              tp, target.quantized_kinds(), head.quantized_kinds())  # fmt: skip
+                              tp, self._weights, head.quantized_kinds())  # fmt: skip
             profile = request.cost_profile
             if isinstance(profile, CostProfile):
                 if profile.key != key:

@@ -202,6 +202,10 @@ class StaticTarget:
             bucket.graph.replay()
         self.steps += 1
         features = None if bucket.features is None else bucket.features[:, :N]
+        if self.captured and features is not None:
+            # The drafter keeps a plain step's features until it next drafts, past the next
+            # replay, which rewrites the buffer: a copy (one kernel) of the N rows.
+            features = features.clone()
         return bucket.logits[:, :N], features
 
     def _new_bucket(self, B: int, n: int, feature_layers: tuple[int, ...]) -> _Bucket:

@@ -40,6 +40,7 @@ tree after seeing this step's sampled token fails).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import time
@@ -195,6 +196,15 @@ class CostProfile:
         verify = extrapolated(running_max(self.verify_s), n)
         return batch * (drafting + verify) + self.target(batch * n)
 
+    def waiting_s(self, rows: int) -> float:
+        """The head's pass over ``rows`` pairs that waited for it (one per plain step since it
+        last drafted) beyond the one level step_s prices a tree's commit at: a level over that
+        many rows less one over the fewest measured (0 up to those). A level's pools are
+        counted too: an upper bound."""
+        if rows <= 1 or not self.level_s:
+            return 0.0
+        return max(0.0, extrapolated(self.level_s, rows) - extrapolated(self.level_s, 1))
+
     def doubts(self) -> list[str]:
         """Why this profile should be measured again rather than kept (empty: none)."""
         out = []
@@ -275,6 +285,8 @@ def extrapolated(table: dict[int, float], n):
     """table at n (a number or an array): piecewise linear between measured points, the last
     slope beyond them."""
     sizes = sorted(table)
+    if isinstance(n, (int, float)):  # the policies' per-step calls: no numpy (~20x faster)
+        return _extrapolated_at(table, sizes, n)
     values = [table[s] for s in sizes]
     out = np.interp(n, sizes, values)
     if len(sizes) >= 2:
@@ -282,6 +294,21 @@ def extrapolated(table: dict[int, float], n):
         slope = (table[b] - table[a]) / (b - a)
         out = np.where(np.asarray(n) > b, table[b] + slope * (np.asarray(n) - b), out)
     return float(out) if np.ndim(out) == 0 else out
+
+
+def _extrapolated_at(table: dict[int, float], sizes: list[int], n: float) -> float:
+    """extrapolated at one number, np.interp's arithmetic: the first value at or below the
+    first size, linear between sizes, the last slope beyond the last."""
+    if len(sizes) == 1 or n <= sizes[0]:
+        return float(table[sizes[0]])
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        a, b = sizes[-2], sizes[-1]
+        return float(table[b] + (table[b] - table[a]) / (b - a) * (n - b))
+    a, b = sizes[i - 1], sizes[i]
+    if n == b:
+        return float(table[b])
+    return float(table[a] + (table[b] - table[a]) / (b - a) * (n - a))
 
 
 def _spread(samples: list[float]) -> float:
@@ -508,7 +535,10 @@ class AutoTree:
     # longer than predicted, and accepted less than expected, so a 5% margin let trees run at
     # 0.6-0.9x plain decoding: the margin covers what the model misses (BENCHMARKS.md, "The
     # auto tree on prompts it never saw"). A probe costs at most PROBE_COST plain steps.
-    PROBE_FIRST, PROBE_GAP, PROBE_SHARE, PROBE_COST, MARGIN = 4, 16, 0.02, 2.0, 1.3
+    # PROBE_SHARE was 0.02: on the default pair at T = 1 (2-core EPYC, AVX2) probes, whose
+    # real steps also ran the head over the pairs that waited, lost 2% of the time of requests
+    # whose trees never paid (BENCHMARKS.md, "A plain step and a probe at T = 1").
+    PROBE_FIRST, PROBE_GAP, PROBE_SHARE, PROBE_COST, MARGIN = 4, 16, 0.01, 2.0, 1.3
     # After a step found that no tree beats a plain step, the next RECHECK - 1 plain steps do
     # not search again: with no new evidence the answer does not move, and the search
     # (~0.1 ms) was ~3% of a plain step of the default pair.
@@ -536,6 +566,7 @@ class AutoTree:
         self.probe_step, self.probe_risk = -1, 0.0  # the last probe and what it may still lose
         self.checks: list[float] | None = [] if check else None  # measured / predicted
         self.contradicted = False
+        self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
 
     def use_profile(self, profile: CostProfile) -> None:
         """Price trees with ``profile`` (a fresh one after a contradiction); evidence is kept and
@@ -567,13 +598,20 @@ class AutoTree:
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
         sizes = np.array(self.sizes)[None, None, :]
         ok = self.feasible & (sizes <= room) & (depths <= wanted - 1)
-        if optimistic:
+        if optimistic:  # the pairs waiting are not a probe's to pay: whatever drafts next
+            # runs them, and a probe that did would starve (they grow with every plain step)
             ok &= self.step_s <= self.PROBE_COST * self.plain_s
-        rate = np.where(ok, emitted / self.step_s, -1.0)
+            rate = np.where(ok, emitted / self.step_s, -1.0)
+        else:
+            rate = np.where(ok, emitted / (self.step_s + self.waiting_s), -1.0)
         i, d, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return float(rate[i, d, j]), int(i), int(d), int(j)
 
-    def choose(self, room: int, wanted: int) -> TreeConfig:
+    def choose(self, room: int, wanted: int, waiting: int = 0) -> TreeConfig:
+        """The step's tree (plain: TreeConfig("ar")). ``waiting``: the most pairs any sequence
+        of the batch has waiting for the head (plain steps since it last drafted), which a tree
+        step runs first; a batch's pass over them is padded to the longest."""
+        self.waiting_s = self.profile.waiting_s(waiting * self.batch)
         self.steps += 1
         self.since_probe += 1
         cfg = self._choose(room, wanted)
@@ -601,7 +639,7 @@ class AutoTree:
                 self.probe_step = self.steps
                 self.probe_risk = float(self.step_s[i, d, j]) - plain_s
                 self.probe_loss_s += self.probe_risk  # refunded per token it emits (observe)
-                return self._tree(i, d, j)
+                return self._tree(i, d, j, probe=True)
         if rate > self.MARGIN / plain_s:
             return self._tree(i, d, j)
         return TreeConfig("ar")
@@ -611,8 +649,8 @@ class AutoTree:
         budget = self.PROBE_SHARE * (self.total_s + cost) + (self.PROBE_COST - 1) * self.plain_s
         return self.probe_loss_s + cost - self.plain_s <= budget
 
-    def _tree(self, i: int, d: int, j: int) -> TreeConfig:
-        self.predicted_s = float(self.step_s[i, d, j])
+    def _tree(self, i: int, d: int, j: int, probe: bool = False) -> TreeConfig:
+        self.predicted_s = float(self.step_s[i, d, j]) + (0.0 if probe else self.waiting_s)
         return dataclasses.replace(
             self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
         )

@@ -98,9 +98,14 @@ class LookupStats:
         return (held + self.prior * self.prior_weight) / (tried + self.prior_weight)
 
     def observe(self, events: list[tuple[int, int, bool]]) -> None:
-        """One step's (n, depth, held) events: every count decays once, then each adds."""
+        """One step's (n, depth, held) events: the counts of each cell they touch decay once,
+        then each adds. A cell no step tries keeps its evidence: when every count decayed every
+        step, an untried cell drifted back to the prior (0.5) in ~20 steps, and at T = 1 the
+        policy drafted short matches again and again that rarely held (BENCHMARKS.md, "A plain
+        step and a probe at T = 1")."""
+        touched = {self._cell(n, depth) for n, depth, _ in events}
         for table in (self.tried, self.held):
-            for cell in table:
+            for cell in touched & table.keys():
                 table[cell] *= self.decay
         for n, depth, held in events:
             cell = self._cell(n, depth)
