@@ -110,8 +110,7 @@ class Eagle3Drafter:
         feats, toks, counts = [], [], []
         for s in waiting:
             feats.append(torch.cat([f for f, _ in self._pending[s]], 0))
-            # a plain step's token comes from the host (commit), a tree's from the device
-            toks.append(torch.cat([t.to(dev) for _, t in self._pending[s]], 0))
+            toks.append(torch.cat([t for _, t in self._pending[s]], 0))
             counts.append(feats[-1].shape[0])
             self._pending[s], self._pending_rows[s] = [], 0
         if len(waiting) == 1:  # one sequence: slices of its slot, no padding (as one cache)
@@ -263,12 +262,12 @@ class Eagle3Drafter:
         self._level = -1
         B, N, F_in = features.shape
         dev = features.device
-        if N == 1:  # a plain step: each root's pair, its bonus token from the host copy (no
-            # device operator: a plain step of rheo costs what one of ar does, less this)
-            for b, slot in enumerate(self.slots):
-                self._queue(slot, features[b], torch.tensor(outcome.bonus_token[b : b + 1]))
-            return
         bonus = verdict.bonus_token.to(dev).long().view(B, 1)
+        if N == 1:  # a plain step: each root's pair, nothing to gather (the bonus token from
+            # the device: a step uploads nothing, tests/test_host_reads.py)
+            for b, slot in enumerate(self.slots):
+                self._queue(slot, features[b], bonus[b])
+            return
         lens = outcome.accept_len
         if B == 1:  # one sequence: its path, no padding
             path = verdict.accept_path[0, : lens[0]].long().to(dev)  # root first
