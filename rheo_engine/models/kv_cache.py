@@ -187,6 +187,19 @@ class SlotPool:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def attend_rows(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    tree_mask: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                    rows: torch.Tensor, bound: int) -> torch.Tensor:  # fmt: skip
+        """A ragged batch's attention at ``layer``: write k_new, v_new [B, n, Hkv, D] at
+        ``rows`` [B, n] of ``slots`` [B] (int32, on the device), then tree attention of q over
+        each sequence's ``lengths`` [B] committed rows and its new rows; ``bound`` >= every
+        length, known on the host (SlotBatch.attend, runtime/graphs.StaticSlots)."""
+        index = slots.long().view(-1, 1)
+        self.k[layer, index, rows] = k_new
+        self.v[layer, index, rows] = v_new
+        return kernels.tree_attention(q, self.k[layer], self.v[layer], tree_mask, bound,
+                                      prefix_lens=lengths, kv_slots=slots)  # fmt: skip
+
     def batch(self, slots: list[int]) -> SlotBatch:
         """The cache view of one forward over these slots (in this order)."""
         return SlotBatch(self, slots)
@@ -264,13 +277,9 @@ class SlotBatch:
             k, v = self.pool.k[layer, slot : slot + 1], self.pool.v[layer, slot : slot + 1]
             k[:, lo : lo + n], v[:, lo : lo + n] = k_new, v_new
             return kernels.tree_attention(q, k[:, : lo + n], v[:, : lo + n], tree_mask, lo)
-        slots = self._slots_dev.long().view(-1, 1)
-        rows = self._row_index(n)
-        self.pool.k[layer, slots, rows] = k_new
-        self.pool.v[layer, slots, rows] = v_new
-        return kernels.tree_attention(
-            q, self.pool.k[layer], self.pool.v[layer], tree_mask, max(self.lengths),
-            prefix_lens=self.lengths_dev, kv_slots=self._slots_dev,
+        return self.pool.attend_rows(
+            layer, q, k_new, v_new, tree_mask, self._slots_dev, self.lengths_dev,
+            self._row_index(n), max(self.lengths),
         )  # fmt: skip
 
     def advance(self, n: int) -> None:

@@ -32,7 +32,6 @@ import torch
 
 from rheo_engine.models.kv_cache import SlotBatch, SlotPool
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.spec import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # tree sizes a step is padded to
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (torch's advice for graphs)
@@ -91,14 +90,9 @@ class StaticSlots:
         tree_mask: torch.Tensor,
     ) -> torch.Tensor:
         """SlotBatch.attend's ragged path, every index from the device buffers."""
-        slots = self.slots.long().view(-1, 1)
         rows = self.lengths.long().view(-1, 1) + self.offsets
-        self.pool.k[layer, slots, rows] = k_new
-        self.pool.v[layer, slots, rows] = v_new
-        return kernels.tree_attention(
-            q, self.pool.k[layer], self.pool.v[layer], tree_mask, self.bound,
-            prefix_lens=self.lengths, kv_slots=self.slots,
-        )  # fmt: skip
+        return self.pool.attend_rows(layer, q, k_new, v_new, tree_mask, self.slots,
+                                     self.lengths, rows, self.bound)  # fmt: skip
 
 
 @dataclass
