@@ -92,7 +92,7 @@ def cpu_counter():
         and inspect.isfunction(fn := getattr(kernels, n)) and fn.__module__ == kernels.__name__
     }  # fmt: skip
     saved_tensor = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy", "item")}
-    saved_run = graphs._Bucket.run
+    saved_runs = {cls: cls.run for cls in (graphs._Bucket, graphs._DraftBucket)}
     depth = {"in": 0}
 
     def wrap(fn):
@@ -117,22 +117,27 @@ def cpu_counter():
 
     mode = _Ops()
 
-    def run_once(self):
-        # A captured bucket replays as one launch: count it once, not the operators inside.
-        counts["captured"] += 1
-        before = mode.ops
-        depth["in"] += 1
-        try:
-            saved_run(self)
-        finally:
-            depth["in"] -= 1
-            mode.ops = before
+    def run_once(saved_run):
+        def run(self):
+            # A captured bucket (the target's forward, the draft loop) replays as one launch:
+            # count it once, not the operators inside.
+            counts["captured"] += 1
+            before = mode.ops
+            depth["in"] += 1
+            try:
+                saved_run(self)
+            finally:
+                depth["in"] -= 1
+                mode.ops = before
+
+        return run
 
     for n, fn in saved_kernels.items():
         setattr(kernels, n, wrap(fn))
     for n, fn in saved_tensor.items():
         setattr(torch.Tensor, n, read(fn))
-    graphs._Bucket.run = run_once
+    for cls, saved_run in saved_runs.items():
+        cls.run = run_once(saved_run)
     try:
         with mode:
             yield mode, counts
@@ -141,7 +146,8 @@ def cpu_counter():
             setattr(kernels, n, fn)
         for n, fn in saved_tensor.items():
             setattr(torch.Tensor, n, fn)
-        graphs._Bucket.run = saved_run
+        for cls, saved_run in saved_runs.items():
+            cls.run = saved_run
 
 
 def generate(engine, prompt, cfg, args):

@@ -76,6 +76,15 @@ inline int32_t* status_ptr(const std::optional<at::Tensor>& status, const at::Te
   return status->data_ptr<int32_t>();
 }
 
+// The coins' key [2] int64 (seed, step) on the device of `ref`, or null (rheo/common.h coin_key).
+inline const int64_t* key_ptr(const std::optional<at::Tensor>& key, const at::Tensor& ref,
+                              const char* ref_name) {
+  if (!key) return nullptr;
+  check_buffer(*key, "key", at::kLong, {2}, "[2] (seed, step)");
+  check_same_device(*key, "key", ref, ref_name);
+  return key->data_ptr<int64_t>();
+}
+
 // Floating dtype of a logits / activation tensor.
 inline DType dtype_of(const at::Tensor& t, const char* name, bool allow_float64) {
   switch (t.scalar_type()) {

@@ -34,7 +34,7 @@ void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, dou
                   const std::optional<at::Tensor>& forced_sample, at::Tensor& tokens,
                   at::Tensor& log_proxy, at::Tensor& sampled_slot, at::Tensor& q_tilde_ids,
                   at::Tensor& q_tilde, at::Tensor& q_sampled,
-                  const std::optional<at::Tensor>& status);
+                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key);
 
 // proxy rerank (csrc/include/rheo/proxy_rerank.h)
 void select_expand(const at::Tensor& scores, at::Tensor& expand,
@@ -71,7 +71,7 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
                   int64_t top_k, double min_p, uint64_t seed, uint64_t step,
                   at::Tensor& accept_path,
                   at::Tensor& accept_len, at::Tensor& bonus_token,
-                  const std::optional<at::Tensor>& status);
+                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key);
 void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
                       const at::Tensor& parents, const at::Tensor& sampled_row,
                       const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,

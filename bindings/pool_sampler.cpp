@@ -24,7 +24,7 @@ void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, dou
                   const std::optional<at::Tensor>& forced_sample, at::Tensor& tokens,
                   at::Tensor& log_proxy, at::Tensor& sampled_slot, at::Tensor& q_tilde_ids,
                   at::Tensor& q_tilde, at::Tensor& q_sampled,
-                  const std::optional<at::Tensor>& status) {
+                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key) {
   check_shape(logits, "logits", {-1, -1}, "[n, V]");
   PoolSamplerArgs a;
   a.dtype = dtype_of(logits, "logits", /*allow_float64=*/true);
@@ -73,6 +73,7 @@ void pool_sampler(const at::Tensor& logits, int64_t K, int64_t m, int64_t S, dou
   a.q_tilde = q_tilde.data_ptr();
   a.q_sampled = q_sampled.data_ptr();
   a.status = status_ptr(status, logits, "logits");
+  a.key = key_ptr(key, logits, "logits");
   if (a.n == 0) return;
   if (on_cuda(logits, "logits")) {
 #ifdef RHEO_WITH_CUDA

@@ -56,7 +56,7 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
                   int64_t top_k, double min_p, uint64_t seed, uint64_t step,
                   at::Tensor& accept_path,
                   at::Tensor& accept_len, at::Tensor& bonus_token,
-                  const std::optional<at::Tensor>& status) {
+                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key) {
   const bool cuda = on_cuda(logits, "logits");
   VerificationArgs a =
       inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k,
@@ -69,6 +69,7 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
   check_same_device(bonus_token, "bonus_token", logits, "logits");
   a.seed = seed;
   a.step = step;
+  a.key = key_ptr(key, logits, "logits");
   a.accept_path = accept_path.data_ptr<int32_t>();
   a.path_capacity = accept_path.size(1);
   a.accept_len = accept_len.data_ptr<int32_t>();

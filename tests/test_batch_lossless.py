@@ -213,7 +213,8 @@ MC_TREE = dict(tree="fixed", topk=4, depth=2, total_tokens=6)
 def batch_samples(engine32, request):
     """Per request: its prompt ids, and (first, second) token and first accept length of each
     of MC_RUNS batched runs (distinct seeds), all four requests decoded together every run;
-    the target's forwards eager, or on the static buffers CUDA captures (runtime/graphs.py)."""
+    the target's forwards and the draft loop eager, or on the static buffers CUDA captures
+    (runtime/graphs.py)."""
     prompts = [engine32.tokenizer.encode(p) for p, *_ in MC_REQUESTS]
     assert len({len(ids) for ids in prompts}) == len(prompts)
     decoder = engine32.decoder(max_batch=4, max_len=64, graphs=request.param)
@@ -230,8 +231,9 @@ def batch_samples(engine32, request):
             pairs[b].append(tuple(gen.token_ids[:2]))
             accepts[b].append(gen.accept_lengths[0])
     assert decoder.pool.free_slots == 4 and not decoder.running
-    if request.param:  # every step ran on the static buffers
+    if request.param:  # every step ran on the static buffers, the draft loop's too
         assert decoder.static.steps >= MC_RUNS and decoder.static.eager == 0
+        assert decoder.static_draft.steps >= MC_RUNS and decoder.static_draft.eager == 0
     return prompts, pairs, accepts
 
 

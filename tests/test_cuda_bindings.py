@@ -245,6 +245,49 @@ def test_verification_through_its_wrapper(side, monkeypatch, dtype):
         same(side, monkeypatch, method, run)
 
 
+@pytest.mark.parametrize("seed", [9, 2**64 - 5])
+def test_coins_keyed_from_memory_through_the_wrappers(side, monkeypatch, seed):
+    """seed and step read from a key tensor (a captured step's coins) draw what the scalars
+    draw, on both branches; the scalars passed beside a key are ignored."""
+    from test_verification import random_trees
+
+    logits = rand(16, 300, seed=15, scale=3)
+
+    def pools(to):
+        key = to(kernels.coin_key(seed, 2, "cpu"))
+        p = kernels.pool_sampler(to(logits), 8, 2, 64, 0.8, "rheo", 0, 0, 1, key=key)
+        return p.tokens, p.sampled_slot, p.q_tilde_ids
+
+    want = kernels.pool_sampler(logits, 8, 2, 64, 0.8, "rheo", seed, 2, 1)
+    for got in both(side, monkeypatch, pools):
+        assert_same_bits((want.tokens, want.sampled_slot, want.q_tilde_ids), got, "pools")
+    other = kernels.pool_sampler(logits, 8, 2, 64, 0.8, "rheo", seed, 3, 1)
+    assert not torch.equal(other.tokens, want.tokens)  # the step changes the draws
+
+    tree = random_trees(3, 9, 40, seed=16)
+
+    def walk(to):
+        key = to(kernels.coin_key(seed, 1, "cpu"))
+        v = kernels.verification(*map(to, tree), "rheo", 1.0, key=key)
+        return v.accept_path, v.accept_len, v.bonus_token
+
+    v = kernels.verification(*tree, "rheo", 1.0, seed=seed, step=1)
+    for got in both(side, monkeypatch, walk):
+        assert_same_bits((v.accept_path, v.accept_len, v.bonus_token), got, "verification")
+
+
+def test_a_bad_coin_key_is_refused_in_one_line():
+    logits = rand(4, 50)
+    bad = [(torch.zeros(2, dtype=torch.int32), "Long"), (torch.zeros(3, dtype=torch.int64), r"\[2\]")]
+    for key, rule in bad:
+        with pytest.raises(ValueError, match=rule) as err:
+            kernels.pool_sampler(logits, 4, 1, 16, 1.0, "rheo", key=key)
+        assert "\n" not in str(err.value) and "key" in str(err.value)
+    for seed, step in [(-1, 0), (0, 2**64)]:
+        with pytest.raises(ValueError, match=r"must be in \[0, 2\*\*64\)"):
+            kernels.coin_key(seed, step, "cpu")
+
+
 def test_proxy_rerank_through_its_wrappers(side, monkeypatch):
     from test_proxy_rerank import draft
 

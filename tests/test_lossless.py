@@ -312,8 +312,8 @@ def _break_proxy(monkeypatch, mode: str) -> None:
     real = kernels.pool_sampler
 
     def broken(logits, K, m, S, T, kind="rheo", seed=0, step=0, level=0, forced_sample=None,
-               status=None):  # fmt: skip
-        pool = real(logits, K, m, S, T, kind, seed, step, level, forced_sample, status)
+               status=None, key=None):  # fmt: skip
+        pool = real(logits, K, m, S, T, kind, seed, step, level, forced_sample, status, key)
         rows = torch.nonzero(pool.sampled_slot >= 0).flatten()
         slots = pool.sampled_slot[rows].long()
         if mode == "q_of_y":  # q_proxy = q(Y): survival now depends on which Y was drawn

@@ -200,7 +200,8 @@ PROMPTS = ["def quicksort(xs):", "class Stack:\n    def", "for i in range(10):"]
     ("ar", GREEDY), ("rheo", GREEDY), ("rheo", dict(temperature=1.0, ignore_eos=True)),
 ])  # fmt: skip
 def test_static_steps_emit_the_eager_tokens(default_engine, method, sampling):
-    """A batch of three (and each alone) through the static buffers gives the eager tokens."""
+    """A batch of three through the static buffers (the target's forward and the draft loop)
+    gives the eager tokens."""
     engine = default_engine
     tree = TREE if method == "rheo" else {}
     got = {}
@@ -212,10 +213,14 @@ def test_static_steps_emit_the_eager_tokens(default_engine, method, sampling):
         got[mode] = [g.token_ids for g in gens]
         if mode:
             assert decoder.static.steps >= 10 and decoder.static.eager == 0
+            drafted = decoder.static_draft
             if method == "rheo":
                 assert max(a for g in gens for a in g.accept_lengths) > 1
+                assert drafted.steps >= 10 and drafted.eager == 0  # cut trees run ar at the end
+            else:
+                assert drafted.steps == 0
         else:
-            assert decoder.static is None
+            assert decoder.static is None and decoder.static_draft is None
     assert got[True] == got[False]
 
 

@@ -126,7 +126,8 @@ void pool_row(const PoolSamplerArgs& a, int64_t r, std::vector<Entry<Real>>& hea
   if (rheo) {
     const int64_t forced = forced_index(forced_token, ids, Se, m, err);
     if (err.code) return;
-    const double u = pool_coin(a.seed, a.step, a.level, static_cast<uint32_t>(r));
+    const CoinKey key = coin_key(a.key, a.seed, a.step);
+    const double u = pool_coin(key.seed, key.step, a.level, static_cast<uint32_t>(r));
     y = sample_tilde(l, Se, m, a.T, u, forced, std::numeric_limits<Acc>::min(), qt);
     if (forced >= 0 && (y < 0 || !(qt[forced] > 0.0))) {
       err = {2, forced_token, 0.0, y < 0 ? "pins a row without a sampled slot (z_T underflows)"

@@ -115,8 +115,9 @@ bool walk_tree(const VerificationArgs& a, int64_t b, Workspace& ws, BadLogit* ba
   std::fill(path, path + a.path_capacity, -1);
   path[0] = 0;
   int32_t len = 1, node = 0;
+  const CoinKey key = coin_key(a.key, a.seed, a.step);
   const auto coin = [&](int64_t slot) {
-    return verify_coin(a.seed, a.step, static_cast<uint32_t>(b), static_cast<uint32_t>(a.N),
+    return verify_coin(key.seed, key.step, static_cast<uint32_t>(b), static_cast<uint32_t>(a.N),
                        static_cast<uint32_t>(node), static_cast<uint32_t>(slot));
   };
   while (true) {

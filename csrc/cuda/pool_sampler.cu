@@ -200,6 +200,12 @@ __device__ double outside_mass(const Src* row, int64_t V, int64_t Se, Acc M, Acc
   return sum + double(at_or_above - Se) * exp(double(lmin) - double(M));
 }
 
+// The coin of row r's sampled token; the key from memory when the args point at one (coin_key).
+__device__ __forceinline__ double row_coin(const PoolSamplerArgs& a, int64_t r) {
+  const CoinKey key = coin_key(a.key, a.seed, a.step);
+  return pool_coin(key.seed, key.step, a.level, uint32_t(r));
+}
+
 struct RowPlan {  // warp 0's results, shared with the block for step 5
   int64_t y;      // support index of Y, or -1
   double W;       // tempered mass of the non-leads, relative to l_m
@@ -238,7 +244,7 @@ __device__ RowPlan plan_row(const PoolSamplerArgs& a, int64_t r, int64_t Se, con
     const double tiny = sizeof(Acc) == 8 ? DBL_MIN : FLT_MIN;
     if (m == 0 || log_zT >= log(tiny)) {
       const double target =
-          forced_token != -1 ? 0.0 : pool_coin(a.seed, a.step, a.level, uint32_t(r)) * plan.W;
+          forced_token != -1 ? 0.0 : row_coin(a, r) * plan.W;
       double running = 0.0;  // the mass of the rounds before this one (warp-uniform)
       int64_t last_positive = m;
       for (int64_t base = m; base < Se && plan.y < 0; base += 32) {  // warp-uniform loop

@@ -179,6 +179,13 @@ __device__ void resum_if_cancelled(const VerificationArgs& a, int64_t b, int64_t
 
 // The sampled child's test: min(1, r(Y) / q~(Y)); on rejection w = max(0, w - Z q~) on the
 // support (r = norm(max(0, r - q~))), recorded as the support slots in the hash. True on accept.
+// The coin of test j at `node` of tree b; the key from memory when the args point at one.
+__device__ __forceinline__ double node_coin(const VerificationArgs& a, int64_t b, int64_t node,
+                                            int64_t j) {
+  const CoinKey key = coin_key(a.key, a.seed, a.step);
+  return verify_coin(key.seed, key.step, uint32_t(b), uint32_t(a.N), uint32_t(node), uint32_t(j));
+}
+
 template <typename Row>
 __device__ bool sampled_test(const VerificationArgs& a, int64_t b, int64_t node, int j,
                              int32_t token, int64_t row, const Residual& r, WalkShared& sh) {
@@ -203,7 +210,7 @@ __device__ bool sampled_test(const VerificationArgs& a, int64_t b, int64_t node,
   q_y = block_sum(q_y, sh.row);
   if (threadIdx.x == 0) {
     const double w_y = residual_at(r, sh, token, r.ce[j]);
-    const double coin = verify_coin(a.seed, a.step, b, a.N, node, j);
+    const double coin = node_coin(a, b, node, j);
     sh.accepted = sh.nnz == lost || coin * q_y < w_y / Z;  // rounding guard first
   }
   __syncthreads();
@@ -233,7 +240,7 @@ __device__ int32_t run_layer(const VerificationArgs& a, int64_t b, int64_t node,
     }
     if (threadIdx.x == 0) {  // plain test: accept with prob r(c); else r(c) = 0, r = norm(r)
       const double wc = residual_at(r, sh, token, r.ce[j]);
-      const double coin = verify_coin(a.seed, a.step, b, a.N, node, j);
+      const double coin = node_coin(a, b, node, j);
       sh.accepted = (wc > 0.0 && sh.nnz == 1) || coin < wc / sh.Z;
       sh.removed = !sh.accepted && wc > 0.0;
       if (sh.removed) {
@@ -359,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) walk_kernel(VerificationArgs a, i
     }
     const int32_t child = run_layer<Row>(a, b, node, r, sh);
     if (child < 0) {
-      const double coin = verify_coin(a.seed, a.step, b, a.N, node, kResidualSlot);
+      const double coin = node_coin(a, b, node, kResidualSlot);
       const int32_t token = draw_from<Row>(a, b, node, coin, r, sh);
       if (threadIdx.x == 0) a.accept_len[b] = len, a.bonus_token[b] = token;
       return;

@@ -195,6 +195,31 @@ class Eagle3Drafter:
         self._level = 0
         return self.head.logits(self._frontier_h[:, 0])
 
+    def flush(self) -> None:
+        """Run the pairs the step's sequences queued (what root_logits does first); the static
+        draft loop calls it before its buffers are filled (runtime/graphs.StaticDraft)."""
+        self._flush()
+
+    @torch.no_grad()
+    def static_root_logits(self, slots: torch.Tensor, m: torch.Tensor,
+                           rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """root_logits on device buffers, for a captured draft loop: ``slots`` [B] long and
+        ``m`` [B] (committed pairs, flushed) on the device, ``rows`` = arange(max_len) [1, max_len].
+        Each sequence attends over its whole slot with the rows past its m masked, so every
+        shape follows from B and max_len and nothing is read back (the eager root_logits
+        slices to the longest m instead: the same rows seen, another summation length)."""
+        B = slots.shape[0]
+        self._m = m.long().view(B, 1)
+        k, v = self.pool.k[0].index_select(0, slots), self.pool.v[0].index_select(0, slots)
+        self._committed_k, self._committed_v = k[:, : self.max_len], v[:, : self.max_len]
+        self._seen = rows < self._m  # [B, max_len]
+        self._frontier_h = self._last_h.index_select(0, slots).unsqueeze(1)  # [B, 1, H]
+        c = self.head.cfg
+        self._tree_k = self._tree_v = k.new_zeros(B, 0, c.num_key_value_heads, c.head_dim)
+        self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=k.device)
+        self._level = 0
+        return self.head.logits(self._frontier_h[:, 0])
+
     @torch.no_grad()
     def expand(self, level: int, parent_rank: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, k, Vd] after each level-``level`` node (tokens [B, k], TARGET ids),

@@ -40,7 +40,7 @@ from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch
 from rheo_engine.models.llama import LlamaModel
 from rheo_engine.parallel import TPGroup
-from rheo_engine.runtime.graphs import StaticTarget, graphs_enabled
+from rheo_engine.runtime.graphs import StaticDraft, StaticTarget, graphs_enabled
 from rheo_engine.runtime.lookup_policy import (
     LocalCosts,
     StepCosts,
@@ -214,6 +214,11 @@ class BatchDecoder:
         # The target's tree forwards on static buffers, captured as CUDA graphs (graphs.py).
         self.static = StaticTarget(target, self.pool) if graphs_enabled(target.device, graphs) \
             else None  # fmt: skip
+        # The head's draft loop likewise, its coins' steps in a device table of keys per slot.
+        self.static_draft = None
+        if self.static is not None and self.drafter is not None and tp is None:
+            keys = torch.zeros(max_batch, 2, dtype=torch.int64, device=target.device)
+            self.static_draft = StaticDraft(self.drafter, self.status, keys)
         self.running: list[SeqState] = []
         self._policies: dict[TreeGroup, FixedTree | AutoTree] = {}
         self._views: dict[tuple[int, ...], SlotBatch] = {}  # the last view of each batch
@@ -728,12 +733,26 @@ class BatchDecoder:
                              self.static)  # fmt: skip
         if drafts:
             self.drafter.begin(view.slots)
+        keys = [(d.seed, d.step) for d in draws]
+        static_draft = None
+        if drafts and self.static_draft is not None and merge is None and cfg.method != "ar":
+            coins = tuple((d.sampling.temperature, pool_kind(d.method, d.sampling.temperature))
+                          for d in draws)  # fmt: skip
+
+            def static_draft():
+                return self.static_draft.draft(view, roots, cfg, coins, keys,
+                                               self.head.draft_to_target)  # fmt: skip
+
         # Nothing between two steps reads the device: the prefix lengths go up with the view,
         # and the roots and the tree policy's evidence come from the step's one read.
-        return speculative_step(
+        result = speculative_step(
             target, self.drafter if drafts else None, roots, view.lengths_dev, cfg, draws,
             self.head.draft_to_target if drafts else None, self.status, drafted, merge,
+            static_draft,
         )  # fmt: skip
+        if self.static_draft is not None:
+            self.static_draft.advance(view.slots_dev, view.slots, keys)
+        return result
 
     def _view(self, slots: list[int]) -> SlotBatch:
         """The KV view of a batch of slots: the last step's, while its lengths are current

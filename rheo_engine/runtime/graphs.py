@@ -30,8 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rheo_engine.config import TreeConfig
+from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch, SlotPool
 from rheo_engine.models.llama import LlamaModel
+from rheo_engine.spec.draft import DraftTree, SequenceCoins, draft_tree
+from rheo_engine.spec.kernels import coin_key
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # tree sizes a step is padded to
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (torch's advice for graphs)
@@ -57,6 +61,67 @@ def graphs_enabled(device: torch.device, setting: str | bool | None = None) -> b
 def bucket_for(n: int) -> int | None:
     """The smallest bucket that holds a tree of ``n`` nodes, or None when none does."""
     return next((b for b in BUCKETS if b >= n), None)
+
+
+def capture(run, mempool) -> tuple[object, float]:
+    """A CUDA graph of ``run()`` and the seconds its capture took: warm-up runs on a side stream,
+    then one run recorded into a graph that allocates from ``mempool`` (shared by every graph of
+    a decoder). The warm-up runs compute this step's outputs too; the first replay recomputes
+    them."""
+    start = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        run()
+    torch.cuda.synchronize()
+    return graph, time.perf_counter() - start
+
+
+class _Replays:
+    """What StaticTarget and StaticDraft share: a filled bucket run as it is on the CPU, or
+    captured at its first step and replayed on CUDA (fields: buckets, captures, steps, eager,
+    broken, _mempool; ``what`` names the captured part in the warning)."""
+
+    what = ""
+
+    def _serve(self, bucket, size: tuple[int, int]) -> bool:
+        """Run or replay ``bucket``; False when its capture failed (said once, in a warning:
+        every step is eager from then on)."""
+        if not self.captured:
+            bucket.run()
+        else:
+            if bucket.graph is None:
+                try:
+                    if self._mempool is None:
+                        self._mempool = torch.cuda.graph_pool_handle()
+                    bucket.graph, seconds = capture(bucket.run, self._mempool)
+                except Exception as e:  # noqa: BLE001 - any capture failure: say it once
+                    self.broken = f"{type(e).__name__}: {e}".splitlines()[0]
+                    warnings.warn(
+                        f"CUDA graph capture failed ({self.broken}); {self.what} runs eagerly "
+                        "from now on (RHEO_GRAPHS=0 skips the attempt)",
+                        RuntimeWarning, stacklevel=3,
+                    )  # fmt: skip
+                    self.buckets.clear()
+                    self.eager += 1
+                    return False
+                self.captures.append((*size, seconds))
+            bucket.graph.replay()
+        self.steps += 1
+        return True
+
+    def report(self) -> str:
+        """One line: steps from the buffers, eager steps, captures and their time."""
+        total = sum(s for _, _, s in self.captures)
+        kind = "captured graphs" if self.captured else "static buffers (CPU: no capture)"
+        line = (f"{self.what}, {kind}: {self.steps} steps, {self.eager} eager; "
+                f"{len(self.captures)} captures in {total:.2f} s")  # fmt: skip
+        return line if self.broken is None else f"{line}; eager because {self.broken}"
 
 
 class StaticSlots:
@@ -134,11 +199,12 @@ class _Bucket:
 
 
 @dataclass
-class StaticTarget:
+class StaticTarget(_Replays):
     """A target's tree forwards on static buffers per (batch, bucket, feature layers), captured
     as CUDA graphs on CUDA. ``forward`` returns None where a bucket cannot serve the step (the
     caller then runs the eager forward)."""
 
+    what = "the target's forward"
     model: LlamaModel
     pool: SlotPool
     buckets: dict[tuple, _Bucket] = field(default_factory=dict)
@@ -176,25 +242,8 @@ class StaticTarget:
         if bucket is None:
             bucket = self.buckets[key] = self._new_bucket(B, n, feature_layers)
         bucket.fill(view, tokens, positions, tree_mask)
-        if not self.captured:
-            bucket.run()
-        elif bucket.graph is None:
-            try:
-                self._capture(bucket)
-            except Exception as e:  # noqa: BLE001 - any capture failure: say it once, go eager
-                self.broken = f"{type(e).__name__}: {e}".splitlines()[0]
-                warnings.warn(
-                    f"CUDA graph capture failed ({self.broken}); the target's forward runs "
-                    "eagerly from now on (RHEO_GRAPHS=0 skips the attempt)",
-                    RuntimeWarning, stacklevel=2,
-                )  # fmt: skip
-                self.buckets.clear()
-                self.eager += 1
-                return None
-            bucket.graph.replay()
-        else:
-            bucket.graph.replay()
-        self.steps += 1
+        if not self._serve(bucket, (B, n)):
+            return None
         features = None if bucket.features is None else bucket.features[:, :N]
         if self.captured and features is not None:
             # The drafter keeps a plain step's features until it next drafts, past the next
@@ -211,31 +260,132 @@ class StaticTarget:
             mask=torch.zeros(B, n, n, dtype=torch.uint8, device=dev),
         )  # fmt: skip
 
-    def _capture(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream, then record one run into a graph (all graphs share one
-        memory pool). The warm-up runs compute this step's outputs too; the replay after the
-        capture recomputes them."""
-        start = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                bucket.run()
-        torch.cuda.current_stream().wait_stream(side)
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            bucket.run()
-        bucket.graph = graph
-        torch.cuda.synchronize()
-        B, n = bucket.tokens.shape
-        self.captures.append((B, n, time.perf_counter() - start))
 
-    def report(self) -> str:
-        """One line: steps from the buffers, eager steps, captures and their time."""
-        total = sum(s for _, _, s in self.captures)
-        kind = "captured graphs" if self.captured else "static buffers (CPU: no capture)"
-        line = (f"{kind}: {self.steps} steps, {self.eager} eager; {len(self.captures)} captures "
-                f"in {total:.2f} s")  # fmt: skip
-        return line if self.broken is None else f"{line}; eager because {self.broken}"
+
+
+# --- the draft loop -------------------------------------------------------------------------
+
+
+@dataclass
+class _DraftBucket:
+    """The static buffers of one draft loop: a batch's roots, prefix lengths, slots and coin
+    keys, and the tree ``run`` grows from them (every level of the head, the pool sampler, the
+    rerank and the global pruning: draft.draft_tree)."""
+
+    drafter: Eagle3Drafter
+    cfg: TreeConfig
+    coins: tuple[tuple[float, str], ...]  # per entry: temperature, pool kind
+    draft_to_target: torch.Tensor | None
+    status: torch.Tensor  # [1] int32, the decoder's status word
+    roots: torch.Tensor  # [B] long
+    prefix: torch.Tensor  # [B] int32: committed rows = the head's committed pairs
+    slots: torch.Tensor  # [B] long
+    keys: torch.Tensor  # [B, 2] int64: each entry's (seed, step)
+    rows: torch.Tensor  # [1, max_len] long
+    out: DraftTree | None = None  # written by run
+    graph: object = None
+
+    def run(self) -> None:
+        drafter, slots, prefix, rows = self.drafter, self.slots, self.prefix, self.rows
+
+        class Head:  # draft.Drafter over the buffers
+            def root_logits(self) -> torch.Tensor:
+                return drafter.static_root_logits(slots, prefix, rows)
+
+            expand = drafter.expand
+
+        coins = [SequenceCoins(T, kind, 0, 0, self.keys[b])
+                 for b, (T, kind) in enumerate(self.coins)]  # fmt: skip
+        self.out = draft_tree(Head(), self.roots, self.prefix, self.cfg, 0.0, 0, 0,
+                              self.draft_to_target, status=self.status, coins=coins)  # fmt: skip
+
+
+@dataclass
+class StaticDraft(_Replays):
+    """The head's draft loop on static buffers per (batch, tree config, each entry's
+    temperature and pool kind), captured as a CUDA graph on CUDA, like StaticTarget. The coins'
+    steps come from the decoder's device table of keys (one (seed, step) row per slot, advanced
+    on the device after each step), so a replay draws the step's own coins and nothing is
+    uploaded (a host mirror says which keys are current; one out of step is uploaded).
+    ``draft`` returns None where the loop cannot be served (the caller drafts eagerly): a slot
+    whose head and target lengths differ, or a capture that failed here."""
+
+    what = "the draft loop"
+    drafter: Eagle3Drafter
+    status: torch.Tensor
+    keys: torch.Tensor  # [slots, 2] int64: each slot's (seed, step)
+    buckets: dict[tuple, _DraftBucket] = field(default_factory=dict)
+    captures: list[tuple[int, int, float]] = field(default_factory=list)  # (B, nodes, seconds)
+    steps: int = 0
+    eager: int = 0
+    broken: str | None = None
+    _mempool: object = None
+    _rows: torch.Tensor | None = None  # [1, max_len] arange, shared by the buckets
+    _one: torch.Tensor | None = None  # (0, 1): a step's advance of a key
+    _held: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot: its key's content
+
+    @property
+    def captured(self) -> bool:
+        return self.status.device.type == "cuda"
+
+    def draft(self, view: SlotBatch, roots: torch.Tensor, cfg: TreeConfig,
+              coins: tuple[tuple[float, str], ...], keys: list[tuple[int, int]],
+              draft_to_target: torch.Tensor | None) -> DraftTree | None:  # fmt: skip
+        """The step's tree (valid until the bucket's next step), or None (draft eagerly).
+        ``coins``: each entry's temperature and pool kind; ``keys``: its (seed, step)."""
+        drafter = self.drafter
+        drafter.flush()
+        if self.broken is not None or any(
+            drafter.pool.lengths[s] != m for s, m in zip(view.slots, view.lengths, strict=True)
+        ):
+            self.eager += 1
+            return None
+        B = len(view.slots)
+        key = (B, cfg, coins, draft_to_target is not None)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = self._new_bucket(B, cfg, coins, draft_to_target)
+        bucket.roots.copy_(roots.view(B))
+        bucket.prefix.copy_(view.lengths_dev)
+        bucket.slots.copy_(view.slots_dev)
+        self._sync_keys(view.slots, keys)
+        bucket.keys.copy_(self.keys.index_select(0, bucket.slots))
+        if not self._serve(bucket, (B, cfg.total_tokens)):
+            return None
+        return bucket.out
+
+    def _sync_keys(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
+        """Make each slot's device key the step's (seed, step): nothing to do after a step that
+        advance() followed (the key moved on the device); an upload where it is out of step
+        (a request's first draft, a step drafted eagerly, the calibration's probe steps)."""
+        for slot, k in zip(slots, keys, strict=True):
+            if self._held.get(slot) != k:
+                self.keys[slot].copy_(coin_key(*k, self.keys.device))
+                self._held[slot] = k
+
+    def advance(self, slots_dev: torch.Tensor, slots: list[int],
+                keys: list[tuple[int, int]]) -> None:  # fmt: skip
+        """After a step of ``slots`` ([B] int32 on the device, and on the host) drawn with
+        ``keys`` (seed, step): each slot's device key moves to step + 1, on the device."""
+        if not any(self._held.get(s) == k for s, k in zip(slots, keys, strict=True)):
+            return
+        for slot, (seed, step) in zip(slots, keys, strict=True):
+            if self._held.get(slot) == (seed, step):
+                self._held[slot] = (seed, step + 1)
+            else:
+                self._held.pop(slot, None)  # stale: the next draft uploads it
+        if self._one is None:
+            self._one = torch.tensor([0, 1], dtype=torch.int64, device=self.keys.device)
+        self.keys.index_add_(0, slots_dev.long(), self._one.expand(len(slots), 2))
+
+    def _new_bucket(self, B: int, cfg: TreeConfig, coins, draft_to_target) -> _DraftBucket:
+        dev, max_len = self.keys.device, self.drafter.max_len
+        if self._rows is None:
+            self._rows = torch.arange(max_len, dtype=torch.long, device=dev).view(1, max_len)
+        return _DraftBucket(
+            self.drafter, cfg, coins, draft_to_target, self.status,
+            roots=torch.zeros(B, dtype=torch.long, device=dev),
+            prefix=torch.zeros(B, dtype=torch.int32, device=dev),
+            slots=torch.zeros(B, dtype=torch.long, device=dev),
+            keys=torch.zeros(B, 2, dtype=torch.int64, device=dev), rows=self._rows,
+        )  # fmt: skip

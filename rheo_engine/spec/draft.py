@@ -126,6 +126,9 @@ class SequenceCoins:
     kind: kernels.PoolKind
     seed: int
     step: int
+    # [2] int64 (kernels.coin_key) on the device: seed and step read from it instead (a
+    # captured draft loop replays with the step its buffer holds: runtime/graphs.StaticDraft)
+    key: torch.Tensor | None = None
 
 
 def _concat_pools(pools: list[kernels.Pool]) -> kernels.Pool:
@@ -160,8 +163,8 @@ def draft_tree(
     their own pool sampler call (the rows of entry b are b * rows_per_entry + j).
     ``merge``: adds candidates of another source to the head's before the global pruning
     (spec.lookup.Merger: prompt lookup, DESIGN §2.8); the tree keeps cfg.total_tokens +
-    ``merge.extra`` nodes of both kinds. It takes the head's candidate tensors [B, L] (scores, tokens, parents, sampled) and the
-    roots, and returns the merged tensors, [B, L'] the lookup candidate of each flat index,
+    ``merge.extra`` nodes of both kinds. It takes the head's candidate tensors [B, L] (scores,
+    tokens, parents, sampled) and the roots, and returns the merged tensors, [B, L'] the lookup candidate of each flat index,
     and the deepest candidate's depth; nothing is read back.
     """
     if cfg.method == "ar":
@@ -182,7 +185,7 @@ def draft_tree(
             pinned = None if forced_sample is None else forced_sample[rows]
             out.append(kernels.pool_sampler(
                 logits[rows], K, cfg.leads, cfg.support, c.temperature, c.kind, c.seed, c.step,
-                level, pinned, status=status,
+                level, pinned, status=status, key=c.key,
             ))  # fmt: skip
         return _concat_pools(out)
 

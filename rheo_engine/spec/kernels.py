@@ -134,6 +134,20 @@ def status_word(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def coin_key(seed: int, step: int, device: torch.device | str) -> torch.Tensor:
+    """The coins' key [2] int64 (seed, step) on ``device`` for pool_sampler / verification's
+    ``key``: the kernels read seed and step from it, so a captured step replays with the step
+    its buffer holds (a seed >= 2**63 is kept as its int64 bit pattern)."""
+    return torch.tensor(_key_values(seed, step), dtype=torch.int64, device=device)
+
+
+def _key_values(seed: int, step: int) -> list[int]:
+    for name, v in (("seed", seed), ("step", step)):
+        if not 0 <= v < 2**64:
+            raise ValueError(f"{name}={v} must be in [0, 2**64) (the Philox key and counter)")
+    return [v - 2**64 if v >= 2**63 else v for v in (seed, step)]
+
+
 def raise_status(bits: int) -> None:
     """Raise the ValueError a CPU kernel raises for the first bit set in ``bits`` (the status
     word read on the host); nothing for 0. Other bits set are named after it."""
@@ -178,11 +192,14 @@ def pool_sampler(
     level: int = 0,
     forced_sample: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
 ) -> Pool:
     """Build the pool of every row of ``logits`` [n, V] (fp32/bf16/fp16/fp64).
 
     ``forced_sample`` [n] int32 (-1 = draw) pins the sampled token, for exact enumeration.
     ``status`` [1] int32 (CUDA): a NaN/inf row or an impossible forced token sets a bit there.
+    ``key`` [2] int64 (coin_key) on the logits' device: seed and step read from it, in place of
+    ``seed`` and ``step`` (a captured step's coins).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [n, V], got shape {list(logits.shape)}")
@@ -201,7 +218,7 @@ def pool_sampler(
     _C.pool_sampler(
         logits, K, m, S, float(T), _lookup(_POOL_KINDS, kind, "kind"), seed, step, level,
         forced_sample, out.tokens, out.log_proxy, out.sampled_slot, out.q_tilde_ids,
-        out.q_tilde, out.q_sampled, status,
+        out.q_tilde, out.q_sampled, status, key,
     )  # fmt: skip
     return out
 
@@ -504,11 +521,13 @@ def verification(
     step: int = 0,
     path_capacity: int | None = None,
     status: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
 ) -> Verdict:
     """Walk B trees with target ``logits`` [B, N, V]; q~ table [R, Se] for the sampled nodes.
 
     ``status`` [1] int32 (CUDA): a tree or q~ table that breaks the rules, or a non-finite
-    target logit at a visited node, sets a bit there (and that tree gets accept_len 1)."""
+    target logit at a visited node, sets a bit there (and that tree gets accept_len 1).
+    ``key`` [2] int64 (coin_key): seed and step read from it, in place of ``seed`` and ``step``."""
     B, N, _ = _check_tree_inputs(logits)
     P = N if path_capacity is None else path_capacity
     dev = logits.device
@@ -520,7 +539,7 @@ def verification(
     _C.verification(
         logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
         _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, float(min_p),
-        seed, step, out.accept_path, out.accept_len, out.bonus_token, status,
+        seed, step, out.accept_path, out.accept_len, out.bonus_token, status, key,
     )  # fmt: skip
     return out
 

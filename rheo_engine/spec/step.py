@@ -12,7 +12,7 @@ import dataclasses
 import numbers
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -202,6 +202,7 @@ def speculative_step(
     status: torch.Tensor | None = None,
     drafted: DraftTree | None = None,
     merge=None,
+    static_draft: Callable[[], DraftTree | None] | None = None,
 ) -> StepResult:
     """One step for B sequences: draft a tree per root, verify it, accept, commit. The engine's
     only step: a request alone is a batch of one (rheo_engine.runtime.decoder), and the n-gram toy
@@ -222,6 +223,9 @@ def speculative_step(
     ``drafted``: a tree made before the step from the history alone (prompt lookup,
     spec.lookup), verified as given; the drafter, if any, is then only committed. ``merge``:
     lookup candidates merged into the head's tree (draft.draft_tree, spec.lookup.Merger).
+    ``static_draft``: the draft loop on static buffers (runtime/graphs.StaticDraft), called
+    after the status word is zeroed; its tree is used unless it returns None (then the drafter
+    drafts eagerly). Its time counts as drafting (head_s holds only the commit).
     """
     shared = isinstance(draws, Draw)
     B = root_tokens.shape[0]
@@ -233,6 +237,8 @@ def speculative_step(
     timed = None if drafter is None else _TimedDrafter(drafter)
     # [1] int32, the step's kernels OR into it
     status = kernels.status_word(root_tokens.device) if status is None else status.zero_()
+    if drafted is None and static_draft is not None:
+        drafted = static_draft()
     if drafted is not None:
         dt = drafted
     elif shared:

@@ -137,6 +137,18 @@ RHEO_HOST_DEVICE double philox_uniform(uint64_t seed, uint64_t step, uint32_t st
   return static_cast<double>(hi27 * 67108864ull + lo26) * (1.0 / 9007199254740992.0);
 }
 
+// The Philox key (seed, step) of a kernel's coins: read from `key` [2] int64 (the kernel's own
+// memory, device memory on CUDA) when given, so that a captured CUDA graph replays every step
+// with that step's coins (the host or a captured op writes the step there); else the scalars.
+// A seed >= 2^63 is stored as its int64 bit pattern.
+struct CoinKey {
+  uint64_t seed, step;
+};
+RHEO_HOST_DEVICE CoinKey coin_key(const int64_t* key, uint64_t seed, uint64_t step) {
+  return key != nullptr ? CoinKey{static_cast<uint64_t>(key[0]), static_cast<uint64_t>(key[1])}
+                        : CoinKey{seed, step};
+}
+
 // The coin that draws the sampled token Y of pool row `row` at draft level `level`.
 RHEO_HOST_DEVICE double pool_coin(uint64_t seed, uint64_t step, uint32_t level, uint32_t row) {
   return philox_uniform(seed, step, kStreamPool + level, row);

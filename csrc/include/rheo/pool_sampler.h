@@ -70,6 +70,7 @@ struct PoolSamplerArgs {
   PoolKind kind = PoolKind::kRheo;
   uint64_t seed = 0;
   uint64_t step = 0;
+  const int64_t* key = nullptr;  // [2] (seed, step) in memory, or null: the scalars (coin_key)
   uint32_t level = 0;            // draft level, part of the Philox stream
   const int32_t* forced_sample = nullptr;  // [n] or null
   // outputs (acc_t = double for kFloat64 logits, float otherwise)

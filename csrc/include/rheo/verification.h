@@ -90,6 +90,7 @@ struct VerificationArgs {
   double min_p = 0.0;
   uint64_t seed = 0;
   uint64_t step = 0;
+  const int64_t* key = nullptr;  // [2] (seed, step) in memory, or null: the scalars (coin_key)
   // outputs of verification_cpu / _cuda
   int32_t* accept_path = nullptr;  // [B, path_capacity]
   int64_t path_capacity = 0;

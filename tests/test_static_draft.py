@@ -1,0 +1,138 @@
+"""The head's draft loop on static buffers (rheo_engine/runtime/graphs.StaticDraft, DESIGN §2.9).
+
+On CUDA each draft bucket (batch, tree, each entry's temperature and pool kind) is captured as a
+graph holding every level of the head, the pool sampler, the rerank and the pruning; here the
+same function runs uncaptured, and the CPU checks what a capture needs:
+- a bucket's loop runs the same operators on the same shapes at every step, whatever the
+  committed lengths, the roots and the coins, and reads nothing back (the eager loop, which
+  slices the head's cache to the longest length, is the control that fails);
+- its tree is the eager loop's, bit for bit, and its q~ to rounding, with the coins keyed from
+  device memory (the pool sampler reads (seed, step) there: kernels.coin_key);
+- the device keys follow each slot's step with no upload after the first step.
+Decoding through it gives the eager tokens (test_static_step.py) and the batched G-tests of
+test_batch_lossless.py run through it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_static_step import PROMPTS, recorded
+
+import rheo_engine.spec.step as step_module
+from rheo_engine.runtime import graphs
+from rheo_engine.spec.draft import SequenceCoins, draft_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TREE = dict(tree="fixed", topk=4, depth=3, total_tokens=12)
+
+
+def _requests(engine, T: float, n: int, tokens: int = 24):
+    return [engine.request(p, tokens, method="rheo", seed=7 + i, temperature=T,
+                           ignore_eos=True, **TREE) for i, p in enumerate(PROMPTS[:n])]  # fmt: skip
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_draft_bucket_runs_the_same_shapes_at_every_step_and_reads_nothing(
+    engine32, monkeypatch, B
+):
+    """Every step of the fixed tree's bucket (the last steps' trees, cut to the tokens still
+    wanted, have buckets of their own) at the lengths a seeded T = 1 decode reaches."""
+    runs: dict[int, list] = {}
+    real_run = graphs._DraftBucket.run
+
+    def run(self) -> None:
+        runs.setdefault(id(self), []).append(recorded(lambda: real_run(self), monkeypatch))
+
+    monkeypatch.setattr(graphs._DraftBucket, "run", run)
+    decoder = engine32.decoder(max_batch=B, max_len=96, graphs=True)
+    gens = decoder.run(_requests(engine32, 1.0, B))
+    assert max(a for g in gens for a in g.accept_lengths) > 1  # lengths moved by varied steps
+    main = max(runs.values(), key=len)
+    assert len(main) >= 4 and len(main[0]) > 100
+    assert all(r == main[0] for r in main[1:])
+    assert any("index_select" in op for op, _ in main[0])  # the slots gathered on the device
+
+
+def test_the_eager_draft_loop_fails_the_shape_check(engine32, monkeypatch):
+    """The control: the eager loop's head attention spans the longest committed length, so
+    steps at other lengths run other shapes."""
+    runs = []
+    real = step_module.draft_tree
+
+    def draft(*args, **kwargs):
+        out = []
+        runs.append(out)
+        result = None
+
+        def go():
+            nonlocal result
+            result = real(*args, **kwargs)
+
+        out.extend(recorded(go, monkeypatch))
+        return result
+
+    monkeypatch.setattr(step_module, "draft_tree", draft)
+    decoder = engine32.decoder(max_batch=1, max_len=96, graphs=False)
+    decoder.run(_requests(engine32, 1.0, 1, tokens=12))
+    assert len(runs) >= 3 and any(r != runs[0] for r in runs[1:])
+
+
+@pytest.mark.parametrize("T", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", ["engine32", "default_engine"])
+def test_the_static_tree_is_the_eager_tree(request, dtype, T):
+    """Two sequences of other lengths, coins keyed from device memory at a step the keys were
+    never at (uploaded): the static loop's tree equals the eager loop's bit for bit, its q~ to
+    rounding (the head attends over the whole slot with the rows past m masked; the eager loop
+    over the longest m: the same rows, sums of another length)."""
+    engine = request.getfixturevalue(dtype)
+    decoder = engine.decoder(max_batch=2, max_len=96, graphs=True)
+    seqs = [decoder.admit(r) for r in _requests(engine, T, 2)]
+    view = decoder._view([s.slot for s in seqs])
+    roots = torch.cat([s.root for s in seqs])
+    cfg, d2t = seqs[0].request.tree_cfg, engine.head.draft_to_target
+    kind = "rheo" if T > 0 else "topk"
+    keys = [(7, 5), (8, 5)]
+    decoder.drafter.begin(view.slots)
+    static = decoder.static_draft.draft(view, roots, cfg, ((T, kind),) * 2, keys, d2t)
+    assert static is not None and decoder.static_draft.steps == 1
+    static = {f: getattr(static.tree, f).clone() for f in
+              ("tokens", "parents", "sampled_row", "tree_mask", "positions")} | {
+        "q_tilde_ids": static.q_tilde_ids.clone(), "q_tilde": static.q_tilde.clone()}  # fmt: skip
+    decoder.drafter.begin(view.slots)
+    coins = [SequenceCoins(T, kind, s, k) for s, k in keys]
+    eager = draft_tree(decoder.drafter, roots, view.lengths_dev, cfg, 0.0, 0, 0, d2t, coins=coins)
+    for name, got in static.items():
+        want = getattr(eager.tree, name) if hasattr(eager.tree, name) else getattr(eager, name)
+        if name == "q_tilde":  # the head's softmax sums over another length: rounding apart
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        else:
+            assert torch.equal(got, want), name
+    if T > 0:
+        assert (static["sampled_row"] >= 0).any()
+
+
+def test_device_keys_follow_each_slots_step_without_uploads(engine32):
+    decoder = engine32.decoder(max_batch=2, max_len=96, graphs=True)
+    uploads = []
+    real = graphs.coin_key
+
+    def counted(*args):
+        uploads.append(args)
+        return real(*args)
+
+    graphs.coin_key, saved = counted, graphs.coin_key
+    try:
+        seqs = [decoder.admit(r) for r in _requests(engine32, 1.0, 2)]
+        for _ in range(6):
+            decoder.step()
+    finally:
+        graphs.coin_key = saved
+    assert len(uploads) == 2  # each slot's first draft
+    assert decoder.static_draft.report() == (
+        "the draft loop, static buffers (CPU: no capture): 6 steps, 0 eager; 0 captures in 0.00 s"
+    )
+    for s in seqs:
+        assert s.step == 6
+        assert decoder.static_draft.keys[s.slot].tolist() == [s.request.seed, s.step]
