@@ -735,13 +735,13 @@ class BatchDecoder:
             self.drafter.begin(view.slots)
         keys = [(d.seed, d.step) for d in draws]
         static_draft = None
-        if drafts and self.static_draft is not None and merge is None and cfg.method != "ar":
+        if drafts and self.static_draft is not None and cfg.method != "ar":
             coins = tuple((d.sampling.temperature, pool_kind(d.method, d.sampling.temperature))
                           for d in draws)  # fmt: skip
 
             def static_draft():
                 return self.static_draft.draft(view, roots, cfg, coins, keys,
-                                               self.head.draft_to_target)  # fmt: skip
+                                               self.head.draft_to_target, merge)  # fmt: skip
 
         # Nothing between two steps reads the device: the prefix lengths go up with the view,
         # and the roots and the tree policy's evidence come from the step's one read.

@@ -34,8 +34,15 @@ from rheo_engine.config import TreeConfig
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch, SlotPool
 from rheo_engine.models.llama import LlamaModel
-from rheo_engine.spec.draft import DraftTree, SequenceCoins, draft_tree
+from rheo_engine.spec.draft import (
+    DraftTree,
+    HeadCandidates,
+    SequenceCoins,
+    draft_candidates,
+    prune_tree,
+)
 from rheo_engine.spec.kernels import coin_key
+from rheo_engine.spec.lookup import merge_packed
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # tree sizes a step is padded to
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (torch's advice for graphs)
@@ -282,7 +289,13 @@ class _DraftBucket:
     slots: torch.Tensor  # [B] long
     keys: torch.Tensor  # [B, 2] int64: each entry's (seed, step)
     rows: torch.Tensor  # [1, max_len] long
-    out: DraftTree | None = None  # written by run
+    # With prompt lookup's candidates (drafts "both"): [4, B, C] float32 (lookup.Merger.packed)
+    # and the depths the merge walks; the pruning then runs after the replay (its size varies).
+    packed: torch.Tensor | None = None
+    depths: int = 0
+    head: HeadCandidates | None = None  # written by run
+    merged: tuple[list[torch.Tensor], torch.Tensor] | None = None  # written by run with packed
+    out: DraftTree | None = None  # written by run without packed
     graph: object = None
 
     def run(self) -> None:
@@ -296,8 +309,25 @@ class _DraftBucket:
 
         coins = [SequenceCoins(T, kind, 0, 0, self.keys[b])
                  for b, (T, kind) in enumerate(self.coins)]  # fmt: skip
-        self.out = draft_tree(Head(), self.roots, self.prefix, self.cfg, 0.0, 0, 0,
-                              self.draft_to_target, status=self.status, coins=coins)  # fmt: skip
+        self.head = draft_candidates(Head(), self.cfg, 0.0, 0, 0, self.draft_to_target,
+                                     status=self.status, coins=coins)  # fmt: skip
+        if self.packed is not None:
+            self.merged = merge_packed(self.head.cands, self.roots, self.packed, self.depths)
+        else:
+            self.out = prune_tree(self.head, self.roots, self.prefix, self.cfg,
+                                  self.draft_to_target, self.status)  # fmt: skip
+
+
+@dataclass
+class _Merged:
+    """draft.prune_tree's ``merge`` when the bucket merged already: its result, and the nodes
+    the tree keeps beyond the head's total."""
+
+    extra: int
+    result: tuple
+
+    def __call__(self, cands, roots):
+        return self.result
 
 
 @dataclass
@@ -306,9 +336,13 @@ class StaticDraft(_Replays):
     temperature and pool kind), captured as a CUDA graph on CUDA, like StaticTarget. The coins'
     steps come from the decoder's device table of keys (one (seed, step) row per slot, advanced
     on the device after each step), so a replay draws the step's own coins and nothing is
-    uploaded (a host mirror says which keys are current; one out of step is uploaded).
+    uploaded (a host mirror says which keys are current; one out of step is uploaded). With
+    prompt lookup's candidates merged in (drafts "both"), the bucket also holds the merge, over
+    the candidates uploaded into its buffer (padded to a size bucket; the depths it walks to a
+    power of two), and the pruning, whose size the planner varies, runs after the replay.
     ``draft`` returns None where the loop cannot be served (the caller drafts eagerly): a slot
-    whose head and target lengths differ, or a capture that failed here."""
+    whose head and target lengths differ, more lookup candidates than the largest bucket, or a
+    capture that failed here."""
 
     what = "the draft loop"
     drafter: Eagle3Drafter
@@ -330,9 +364,11 @@ class StaticDraft(_Replays):
 
     def draft(self, view: SlotBatch, roots: torch.Tensor, cfg: TreeConfig,
               coins: tuple[tuple[float, str], ...], keys: list[tuple[int, int]],
-              draft_to_target: torch.Tensor | None) -> DraftTree | None:  # fmt: skip
+              draft_to_target: torch.Tensor | None, merge=None) -> DraftTree | None:  # fmt: skip
         """The step's tree (valid until the bucket's next step), or None (draft eagerly).
-        ``coins``: each entry's temperature and pool kind; ``keys``: its (seed, step)."""
+        ``coins``: each entry's temperature and pool kind; ``keys``: its (seed, step);
+        ``merge`` (spec.lookup.Merger): lookup candidates merged into the head's after the
+        replay, and the pruning run then (the lookup candidates come from the host)."""
         drafter = self.drafter
         drafter.flush()
         if self.broken is not None or any(
@@ -341,17 +377,29 @@ class StaticDraft(_Replays):
             self.eager += 1
             return None
         B = len(view.slots)
-        key = (B, cfg, coins, draft_to_target is not None)
+        lookup = (0, 0)  # (candidates, depths) of the merge's buffers
+        if merge is not None:
+            lookup = (bucket_for(merge.width), 1 << max(0, merge.deepest - 1).bit_length())
+            if lookup[0] is None:  # more lookup candidates than the largest bucket
+                self.eager += 1
+                return None
+        key = (B, cfg, coins, draft_to_target is not None, lookup)
         bucket = self.buckets.get(key)
         if bucket is None:
-            bucket = self.buckets[key] = self._new_bucket(B, cfg, coins, draft_to_target)
+            bucket = self.buckets[key] = self._new_bucket(B, cfg, coins, draft_to_target, lookup)
         bucket.roots.copy_(roots.view(B))
         bucket.prefix.copy_(view.lengths_dev)
         bucket.slots.copy_(view.slots_dev)
+        if merge is not None:
+            bucket.packed.copy_(merge.packed(lookup[0]))  # the step's one upload
         self._sync_keys(view.slots, keys)
         bucket.keys.copy_(self.keys.index_select(0, bucket.slots))
         if not self._serve(bucket, (B, cfg.total_tokens)):
             return None
+        if merge is not None:
+            done = _Merged(merge.extra, (*bucket.merged, merge.deepest))
+            return prune_tree(bucket.head, bucket.roots, bucket.prefix, cfg, draft_to_target,
+                              self.status, done)  # fmt: skip
         return bucket.out
 
     def _sync_keys(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
@@ -378,7 +426,8 @@ class StaticDraft(_Replays):
             self._one = torch.tensor([0, 1], dtype=torch.int64, device=self.keys.device)
         self.keys.index_add_(0, slots_dev.long(), self._one.expand(len(slots), 2))
 
-    def _new_bucket(self, B: int, cfg: TreeConfig, coins, draft_to_target) -> _DraftBucket:
+    def _new_bucket(self, B: int, cfg: TreeConfig, coins, draft_to_target,
+                    lookup: tuple[int, int]) -> _DraftBucket:  # fmt: skip
         dev, max_len = self.keys.device, self.drafter.max_len
         if self._rows is None:
             self._rows = torch.arange(max_len, dtype=torch.long, device=dev).view(1, max_len)
@@ -388,4 +437,6 @@ class StaticDraft(_Replays):
             prefix=torch.zeros(B, dtype=torch.int32, device=dev),
             slots=torch.zeros(B, dtype=torch.long, device=dev),
             keys=torch.zeros(B, 2, dtype=torch.int64, device=dev), rows=self._rows,
+            packed=torch.zeros(4, B, lookup[0], device=dev) if lookup[0] else None,
+            depths=lookup[1],
         )  # fmt: skip

@@ -164,11 +164,32 @@ def draft_tree(
     ``merge``: adds candidates of another source to the head's before the global pruning
     (spec.lookup.Merger: prompt lookup, DESIGN §2.8); the tree keeps cfg.total_tokens +
     ``merge.extra`` nodes of both kinds. It takes the head's candidate tensors [B, L] (scores,
-    tokens, parents, sampled) and the roots, and returns the merged tensors, [B, L'] the lookup candidate of each flat index,
-    and the deepest candidate's depth; nothing is read back.
+    tokens, parents, sampled) and the roots, and returns the merged tensors, [B, L'] the lookup
+    candidate of each flat index, and the deepest candidate's depth; nothing is read back.
     """
     if cfg.method == "ar":
         return root_only_tree(root_tokens, prefix_len)
+    head = draft_candidates(drafter, cfg, temperature, seed, step, draft_to_target, forced,
+                            status, coins)  # fmt: skip
+    return prune_tree(head, root_tokens, prefix_len, cfg, draft_to_target, status, merge)
+
+
+@dataclass
+class HeadCandidates:
+    """The head's candidates of every level (draft_candidates): [B, L] scores, target tokens,
+    flat parent indices and q~ rows, in EAGLE's flat order, and each level's pools."""
+
+    cands: list[torch.Tensor]
+    pools: list[kernels.Pool]
+
+
+def draft_candidates(
+    drafter: Drafter, cfg: TreeConfig, temperature: float, seed: int, step: int,
+    draft_to_target: torch.Tensor | None = None, forced: ForcedSamples | None = None,
+    status: torch.Tensor | None = None, coins: Sequence[SequenceCoins] | None = None,
+) -> HeadCandidates:  # fmt: skip
+    """draft_tree's first half: the ``cfg.depth`` levels of the head below each root, each
+    level's pools and the nodes it expands (the arguments as draft_tree's)."""
     K, kind = cfg.topk, pool_kind(cfg.method, temperature)
 
     def pools(level: int, logits: torch.Tensor) -> kernels.Pool:
@@ -214,6 +235,20 @@ def draft_tree(
         torch.cat([getattr(lv, name) for lv in levels], 1).contiguous()
         for name in ("scores", "tokens", "parents", "sampled_row")
     ]
+    return HeadCandidates(cands, all_pools)
+
+
+def prune_tree(
+    head: HeadCandidates,
+    root_tokens: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cfg: TreeConfig,
+    draft_to_target: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    merge: Callable | None = None,
+) -> DraftTree:
+    """draft_tree's second half: merge (if any) and keep the best of the head's candidates."""
+    cands, all_pools = head.cands, head.pools
     head_candidates, lookup_of, layout_depth, on_nodes = -1, None, cfg.depth, None
     total = cfg.total_tokens
     if merge is not None:

@@ -278,56 +278,72 @@ class Merger:
         """``cands``: each batch entry's lookup candidates; ``extra``: how many nodes the tree
         keeps beyond the head's total_tokens."""
         self.cands, self.extra = cands, extra
+        self.width = max(1, max(len(c) for c in cands))  # C: candidates of the widest entry
+        self.deepest = max((max(c.depth, default=0) for c in cands), default=0)
 
-    def __call__(self, cands: list[torch.Tensor], roots: torch.Tensor):
-        scores, tokens, parents, sampled = cands
-        B, L = tokens.shape
-        dev = tokens.device
-        C = max(1, max(len(c) for c in self.cands))
-        rows = [[], [], [], []]  # token, parent, depth (0: padding), score, per entry padded
+    def packed(self, C: int) -> torch.Tensor:
+        """The candidates on the host, [4, B, C] float32 (token ids < 2**24 are exact): token,
+        parent, depth (0: padding), score of each entry's candidates, padded to C >= width."""
+        rows = [[], [], [], []]
         for c in self.cands:
             pad = C - len(c)
             for row, values, fill in zip(rows, (c.tokens, c.parents, c.depth, c.scores),
                                          (0, -1, 0, -math.inf), strict=True):  # fmt: skip
                 row.append(list(values) + [fill] * pad)
-        # the one upload: float32 (token ids < 2**24 are exact)
-        packed = torch.tensor(rows, dtype=torch.float32).to(dev)
-        ltok, lpar, ldepth = packed[0].to(torch.int32), packed[1].long(), packed[2].to(torch.int32)
-        lscore = packed[3]
-        valid = ldepth > 0
-        ltok = torch.where(valid, ltok, roots.to(torch.int32).view(B, 1).expand(B, C))
-        out_scores = torch.cat((scores, torch.full((B, C), -math.inf, device=dev)), 1)
-        out_parents = torch.cat((parents, torch.full((B, C), -1, dtype=torch.int32,
-                                                     device=dev)), 1)  # fmt: skip
-        where = torch.arange(L, L + C, device=dev).expand(B, C).clone()  # flat index of each
-        joinable = (sampled < 0) if not JOIN_SAMPLED else torch.ones_like(sampled, dtype=bool)
-        deepest = max((max(c.depth, default=0) for c in self.cands), default=0)
-        for d in range(1, deepest + 1):
-            at = valid & (ldepth == d)
-            up = torch.where(lpar < 0, lpar, where.gather(1, lpar.clamp(min=0)))  # [B, C]
-            pscore = torch.where(up < 0, torch.zeros_like(lscore),
-                                 out_scores.gather(1, up.clamp(min=0)))  # fmt: skip
-            own = torch.minimum(lscore, pscore)
-            match = ((parents.unsqueeze(1) == up.unsqueeze(2))
-                     & (tokens.unsqueeze(1) == ltok.unsqueeze(2))
-                     & joinable.unsqueeze(1) & (at & (up < L)).unsqueeze(2))  # [B, C, L]
-            joined = match.any(2)
-            j = match.to(torch.int8).argmax(2)  # the head child it joins
-            raised = torch.where(joined, own, torch.full_like(own, -math.inf))
-            out_scores[:, :L] = out_scores[:, :L].scatter_reduce(1, j, raised, "amax")
-            where = torch.where(joined, j, where)
-            apart = at & ~joined
-            out_scores[:, L:] = torch.where(apart, own, out_scores[:, L:])
-            out_parents[:, L:] = torch.where(apart, up.to(torch.int32), out_parents[:, L:])
-        lookup_of = torch.full((B, L + C), -1, dtype=torch.int32, device=dev)
-        index = torch.arange(C, dtype=torch.int32, device=dev).expand(B, C)
-        lookup_of.scatter_(1, torch.where(valid, where, L + torch.arange(C, device=dev)),
-                           torch.where(valid, index, torch.full_like(index, -1)))  # fmt: skip
-        merged = [out_scores.contiguous(), torch.cat((tokens, ltok), 1).contiguous(),
-                  out_parents.contiguous(),
-                  torch.cat((sampled, torch.full((B, C), -1, dtype=torch.int32, device=dev)),
-                            1).contiguous()]  # fmt: skip
-        return merged, lookup_of, deepest
+        return torch.tensor(rows, dtype=torch.float32)
+
+    def __call__(self, cands: list[torch.Tensor], roots: torch.Tensor):
+        packed = self.packed(self.width).to(roots.device)  # the one upload
+        merged, lookup_of = merge_packed(cands, roots, packed, self.deepest)
+        return merged, lookup_of, self.deepest
+
+
+def merge_packed(cands: list[torch.Tensor], roots: torch.Tensor, packed: torch.Tensor,
+                 depths: int) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """Merger's work on the device: the head's candidate tensors [B, L] and the lookup
+    candidates ``packed`` [4, B, C] (Merger.packed) -> the merged tensors [B, L + C] and each
+    flat index's lookup candidate. ``depths``: the lookup candidates' depths are walked 1 ..
+    depths (any bound >= the deepest gives the same result: a depth without candidates changes
+    nothing), so the shapes and the operators follow from B, L, C and ``depths`` alone."""
+    scores, tokens, parents, sampled = cands
+    B, L = tokens.shape
+    dev = tokens.device
+    C = packed.shape[2]
+    ltok, lpar, ldepth = packed[0].to(torch.int32), packed[1].long(), packed[2].to(torch.int32)
+    lscore = packed[3]
+    valid = ldepth > 0
+    ltok = torch.where(valid, ltok, roots.to(torch.int32).view(B, 1).expand(B, C))
+    out_scores = torch.cat((scores, torch.full((B, C), -math.inf, device=dev)), 1)
+    out_parents = torch.cat((parents, torch.full((B, C), -1, dtype=torch.int32,
+                                                 device=dev)), 1)  # fmt: skip
+    where = torch.arange(L, L + C, device=dev).expand(B, C).clone()  # flat index of each
+    joinable = (sampled < 0) if not JOIN_SAMPLED else torch.ones_like(sampled, dtype=bool)
+    for d in range(1, depths + 1):
+        at = valid & (ldepth == d)
+        up = torch.where(lpar < 0, lpar, where.gather(1, lpar.clamp(min=0)))  # [B, C]
+        pscore = torch.where(up < 0, torch.zeros_like(lscore),
+                             out_scores.gather(1, up.clamp(min=0)))  # fmt: skip
+        own = torch.minimum(lscore, pscore)
+        match = ((parents.unsqueeze(1) == up.unsqueeze(2))
+                 & (tokens.unsqueeze(1) == ltok.unsqueeze(2))
+                 & joinable.unsqueeze(1) & (at & (up < L)).unsqueeze(2))  # [B, C, L]
+        joined = match.any(2)
+        j = match.to(torch.int8).argmax(2)  # the head child it joins
+        raised = torch.where(joined, own, torch.full_like(own, -math.inf))
+        out_scores[:, :L] = out_scores[:, :L].scatter_reduce(1, j, raised, "amax")
+        where = torch.where(joined, j, where)
+        apart = at & ~joined
+        out_scores[:, L:] = torch.where(apart, own, out_scores[:, L:])
+        out_parents[:, L:] = torch.where(apart, up.to(torch.int32), out_parents[:, L:])
+    lookup_of = torch.full((B, L + C), -1, dtype=torch.int32, device=dev)
+    index = torch.arange(C, dtype=torch.int32, device=dev).expand(B, C)
+    lookup_of.scatter_(1, torch.where(valid, where, L + torch.arange(C, device=dev)),
+                       torch.where(valid, index, torch.full_like(index, -1)))  # fmt: skip
+    merged = [out_scores.contiguous(), torch.cat((tokens, ltok), 1).contiguous(),
+              out_parents.contiguous(),
+              torch.cat((sampled, torch.full((B, C), -1, dtype=torch.int32, device=dev)),
+                        1).contiguous()]  # fmt: skip
+    return merged, lookup_of
 
 
 def step_events(cands: Candidates, outcome, b: int = 0) -> list[tuple[int, int, bool]]:
