@@ -92,7 +92,8 @@ def cpu_counter():
         and inspect.isfunction(fn := getattr(kernels, n)) and fn.__module__ == kernels.__name__
     }  # fmt: skip
     saved_tensor = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy", "item")}
-    saved_runs = {cls: cls.run for cls in (graphs._Bucket, graphs._DraftBucket)}
+    buckets = (graphs._Bucket, graphs._DraftBucket, graphs._CommitBucket)  # each a graph on CUDA
+    saved_runs = {cls: cls.run for cls in buckets}
     depth = {"in": 0}
 
     def wrap(fn):

@@ -40,21 +40,29 @@ def test_a_draft_bucket_runs_the_same_shapes_at_every_step_and_reads_nothing(
     engine32, monkeypatch, B
 ):
     """Every step of the fixed tree's bucket (the last steps' trees, cut to the tokens still
-    wanted, have buckets of their own) at the lengths a seeded T = 1 decode reaches."""
-    runs: dict[int, list] = {}
-    real_run = graphs._DraftBucket.run
+    wanted, have buckets of their own) at the lengths a seeded T = 1 decode reaches; and the
+    head's commit of the accepted pairs, per bucket of pair counts."""
+    runs: dict[type, dict[int, list]] = {graphs._DraftBucket: {}, graphs._CommitBucket: {}}
 
-    def run(self) -> None:
-        runs.setdefault(id(self), []).append(recorded(lambda: real_run(self), monkeypatch))
+    def recording(cls):
+        real_run = cls.run
 
-    monkeypatch.setattr(graphs._DraftBucket, "run", run)
+        def run(self) -> None:
+            out = recorded(lambda: real_run(self), monkeypatch)
+            runs[cls].setdefault(id(self), []).append(out)
+
+        return run
+
+    for cls in runs:
+        monkeypatch.setattr(cls, "run", recording(cls))
     decoder = engine32.decoder(max_batch=B, max_len=96, graphs=True)
     gens = decoder.run(_requests(engine32, 1.0, B))
     assert max(a for g in gens for a in g.accept_lengths) > 1  # lengths moved by varied steps
-    main = max(runs.values(), key=len)
-    assert len(main) >= 4 and len(main[0]) > 100
-    assert all(r == main[0] for r in main[1:])
-    assert any("index_select" in op for op, _ in main[0])  # the slots gathered on the device
+    for cls, by_bucket in runs.items():  # the head's levels; its commit of the accepted pairs
+        main = max(by_bucket.values(), key=len)
+        assert len(main) >= 3 and len(main[0]) > 50, cls
+        assert all(r == main[0] for r in main[1:]), cls
+        assert any("index_select" in op for op, _ in main[0])  # the slots gathered on the device
 
 
 def test_the_eager_draft_loop_fails_the_shape_check(engine32, monkeypatch):
@@ -139,6 +147,36 @@ def test_the_static_tree_is_the_eager_tree(request, dtype, T, merged):
         assert (static["sampled_row"] >= 0).any()
 
 
+def test_the_static_commit_writes_the_eager_rows(engine32):
+    """The head's commit of two prompts' pairs (22 and 30 pairs, one bucket of 32) on static
+    buffers writes the K/V rows and the last hidden state that the eager commit writes, to
+    rounding (each sequence attends over its whole slot, masked past its length), and the
+    same lengths."""
+    out = {}
+    for mode in (False, True):
+        decoder = engine32.decoder(max_batch=2, max_len=96, graphs=mode)
+        seqs = [decoder.admit(r) for r in _requests(engine32, 1.0, 2)]
+        slots = [s.slot for s in seqs]
+        drafter = decoder.drafter
+        drafter.begin(slots)
+        assert [drafter.waiting(s) for s in slots] == [len(s.request.prompt_ids) - 1 for s in seqs]
+        if mode:
+            decoder.static_draft._commit()
+            assert [type(b).__name__ for b in decoder.static_draft.buckets.values()] == [
+                "_CommitBucket"]  # fmt: skip
+        else:
+            drafter._flush()
+        lengths = [drafter.pool.lengths[s] for s in slots]
+        rows = list(zip(slots, lengths, strict=True))
+        out[mode] = (lengths, [drafter.pool.k[0, s, :n].clone() for s, n in rows],
+                     [drafter.pool.v[0, s, :n].clone() for s, n in rows],
+                     drafter._last_h[slots].clone())  # fmt: skip
+    assert out[True][0] == out[False][0] and min(out[True][0]) > 3
+    for got, want in zip(out[True][1:], out[False][1:], strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_device_keys_follow_each_slots_step_without_uploads(engine32):
     decoder = engine32.decoder(max_batch=2, max_len=96, graphs=True)
     uploads = []
@@ -163,3 +201,24 @@ def test_device_keys_follow_each_slots_step_without_uploads(engine32):
     for s in seqs:
         assert s.step == 6
         assert decoder.static_draft.keys[s.slot].tolist() == [s.request.seed, s.step]
+
+
+def test_the_cost_measurement_drafts_as_the_steps_do(engine32, monkeypatch, tmp_path):
+    """With the buffers on, the auto tree's measurement of drafting times the static loop (what
+    a captured step runs), and the request's own keys are uploaded again after it."""
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path))
+    decoder = engine32.decoder(max_batch=1, max_len=128, graphs=True)
+    measured = []
+    real = graphs.StaticDraft.draft
+
+    def draft(self, view, roots, cfg, coins, keys, *args):
+        measured.append(keys[0][1] >= 2**40)  # the measurement's probe steps
+        return real(self, view, roots, cfg, coins, keys, *args)
+
+    monkeypatch.setattr(graphs.StaticDraft, "draft", draft)
+    request = engine32.request(PROMPTS[0], 16, method="rheo", temperature=0, seed=3,
+                               ignore_eos=True, drafts="head")  # fmt: skip
+    gen = decoder.run([request])[0]
+    assert gen.measure_s > 0 and sum(measured) >= 3  # the measurement went through it
+    seq_key = decoder.static_draft.keys[0].tolist()
+    assert seq_key[0] == 3 and seq_key[1] < 2**40  # back on the request's own steps

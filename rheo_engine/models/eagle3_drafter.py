@@ -103,16 +103,27 @@ class Eagle3Drafter:
         """Run the waiting pairs of the step's sequences in one head forward, padded to the
         longest (padded pairs see only real rows, write the slot's scratch row, and are
         dropped)."""
+        waiting, feats, toks, counts = self.take_waiting()
+        if waiting:
+            self.append(waiting, feats, toks, counts)
+
+    def take_waiting(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """The step's sequences with pairs waiting, and their features [c, F], next tokens [c]
+        and counts c; the queues are emptied (the caller runs them: append, or the static
+        buffers' commit in runtime/graphs.StaticDraft)."""
         waiting = [s for s in self.slots if self._pending[s]]
-        if not waiting:
-            return
-        dev, head = self.head.device, self.head
         feats, toks, counts = [], [], []
         for s in waiting:
             feats.append(torch.cat([f for f, _ in self._pending[s]], 0))
             toks.append(torch.cat([t for _, t in self._pending[s]], 0))
             counts.append(feats[-1].shape[0])
             self._pending[s], self._pending_rows[s] = [], 0
+        return waiting, feats, toks, counts
+
+    def append(self, waiting: list[int], feats: list[torch.Tensor], toks: list[torch.Tensor],
+               counts: list[int]) -> None:  # fmt: skip
+        """Run the pairs take_waiting gave in one head forward (eagerly)."""
+        dev, head = self.head.device, self.head
         if len(waiting) == 1:  # one sequence: slices of its slot, no padding (as one cache)
             self._append_one(waiting[0], feats[0], toks[0])
             return
@@ -142,6 +153,30 @@ class Eagle3Drafter:
         self._last_h[slots.view(B)] = h2[torch.arange(B, device=dev), last]
         for s, c in zip(waiting, counts, strict=True):
             self.pool.lengths[s] += c
+
+    @torch.no_grad()
+    def append_static(self, slots: torch.Tensor, m: torch.Tensor, counts: torch.Tensor,
+                      features: torch.Tensor, tokens: torch.Tensor,
+                      rows: torch.Tensor) -> None:  # fmt: skip
+        """append on device buffers, for a captured commit (runtime/graphs.StaticDraft):
+        ``slots``, ``m`` (committed pairs) and ``counts`` (pairs to add) [B] long on the device,
+        ``features`` [B, n, F] and ``tokens`` [B, n] with each sequence's pairs first and
+        padding after, ``rows`` = arange(max_len) [1, max_len]. Each sequence attends over its
+        whole slot with the rows past its m masked, so every shape follows from B, n and
+        max_len. The caller adds the counts to pool.lengths."""
+        B, n = tokens.shape
+        head, L = self.head, self.max_len
+        j = rows[:, :n]
+        positions = m.view(B, 1) + j
+        seen = (rows.view(1, 1, L) < m.view(B, 1, 1)).expand(B, n, L)
+        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril().expand(B, n, n)
+        k_all, v_all = self.pool.k[0].index_select(0, slots), self.pool.v[0].index_select(0, slots)
+        h2, k, v = head.layer(head.fuse(features), tokens, positions, k_all[:, :L], v_all[:, :L],
+                              torch.cat((seen, causal), 2))  # fmt: skip
+        written = torch.where(j < counts.view(B, 1), positions, L)  # padding: the scratch row
+        self.pool.k[0, slots.view(B, 1), written] = k
+        self.pool.v[0, slots.view(B, 1), written] = v
+        self._last_h[slots] = h2[torch.arange(B, device=tokens.device), counts - 1]
 
     def _append_one(self, slot: int, features: torch.Tensor, tokens: torch.Tensor) -> None:
         """_flush of a single sequence: its n pairs see its m committed ones, then causally."""
@@ -194,11 +229,6 @@ class Eagle3Drafter:
         self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
         self._level = 0
         return self.head.logits(self._frontier_h[:, 0])
-
-    def flush(self) -> None:
-        """Run the pairs the step's sequences queued (what root_logits does first); the static
-        draft loop calls it before its buffers are filled (runtime/graphs.StaticDraft)."""
-        self._flush()
 
     @torch.no_grad()
     def static_root_logits(self, slots: torch.Tensor, m: torch.Tensor,

@@ -842,14 +842,23 @@ class BatchDecoder:
         # this request depend on) share no randomness with any step.
         probe_step = 2**40
 
+        T = request.sampling.temperature
+        coins = ((T, pool_kind(cfg.method, T)),)
+
         def draft(depth: int, n: int, topk: int):
             if n == 1:
                 return root_only_tree(seq.root, prefix)
             n = min(n, max_tree_size(topk, depth))  # what depth levels can grow
             shape = dataclasses.replace(cfg, topk=topk, depth=depth, total_tokens=n)
+            if self.static_draft is not None:  # as the real steps draft (captured on CUDA)
+                key = [(request.seed, probe_step)]
+                dt = self.static_draft.draft(view, seq.root, shape, coins, key,
+                                             head.draft_to_target)  # fmt: skip
+                if dt is not None:
+                    return dt
             return draft_tree(
-                self.drafter, seq.root, prefix, shape, request.sampling.temperature,
-                request.seed, probe_step, head.draft_to_target,
+                self.drafter, seq.root, prefix, shape, T, request.seed, probe_step,
+                head.draft_to_target,
             )  # fmt: skip
 
         def verify(logits: torch.Tensor, dt) -> None:

@@ -1,4 +1,6 @@
-"""The target's forward over a tree as a replay of fixed buffers (docs/building.md, "CUDA graphs").
+"""A step's forwards as replays of fixed buffers (docs/building.md, "CUDA graphs"): the
+target's forward over a tree (StaticTarget), the head's draft loop and its commit of the
+accepted pairs (StaticDraft).
 
 A CUDA graph replays fixed shapes at fixed addresses. So the forward of a step's tree runs on
 static buffers: the ids, positions and mask of a tree padded to a size bucket, the batch's slots
@@ -19,6 +21,14 @@ bit); on CUDA the tree attention's split plan is sized from the bucket's prefix 
 A step falls back to the eager forward where a bucket cannot serve it: a tree larger than the
 largest bucket, a slot without room for the padded tree, tensor parallelism (collectives are not
 captured here), or a capture that failed on this machine (said once, in a warning).
+
+The draft loop's buckets (one per batch, tree config, each entry's temperature and pool kind,
+and lookup candidates padded to a bucket) hold every level of the head, the pool sampler, the
+rerank, prompt lookup's merge and the pruning; the coins' (seed, step) are read from a device
+table of keys that each step advances on the device. The head's commit of the pairs a step
+accepted runs in a bucket per (batch, pairs padded to a bucket). The head attends over each
+slot's whole length with the rows past its committed pairs masked, so its outputs agree with
+the eager loop's to rounding (tests/test_static_draft.py).
 """
 
 from __future__ import annotations
@@ -96,9 +106,9 @@ class _Replays:
 
     what = ""
 
-    def _serve(self, bucket, size: tuple[int, int]) -> bool:
+    def _serve(self, bucket, size: tuple[int, int], count: bool = True) -> bool:
         """Run or replay ``bucket``; False when its capture failed (said once, in a warning:
-        every step is eager from then on)."""
+        every step is eager from then on). ``count``: a step served (else a part of one)."""
         if not self.captured:
             bucket.run()
         else:
@@ -119,7 +129,7 @@ class _Replays:
                     return False
                 self.captures.append((*size, seconds))
             bucket.graph.replay()
-        self.steps += 1
+        self.steps += count
         return True
 
     def report(self) -> str:
@@ -319,6 +329,24 @@ class _DraftBucket:
 
 
 @dataclass
+class _CommitBucket:
+    """The head's commit of the pairs a batch queued (Eagle3Drafter.append_static) on static
+    buffers: each sequence's features and next tokens padded to a size bucket, and its slot,
+    committed pairs and count on the device."""
+
+    drafter: Eagle3Drafter
+    features: torch.Tensor  # [B, n, F]
+    tokens: torch.Tensor  # [B, n] long
+    meta: torch.Tensor  # [3, B] long: slots, committed pairs m, pairs to add
+    rows: torch.Tensor  # [1, max_len] long
+    graph: object = None
+
+    def run(self) -> None:
+        slots, m, counts = self.meta
+        self.drafter.append_static(slots, m, counts, self.features, self.tokens, self.rows)
+
+
+@dataclass
 class _Merged:
     """draft.prune_tree's ``merge`` when the bucket merged already: its result, and the nodes
     the tree keeps beyond the head's total."""
@@ -370,7 +398,7 @@ class StaticDraft(_Replays):
         ``merge`` (spec.lookup.Merger): lookup candidates merged into the head's after the
         replay, and the pruning run then (the lookup candidates come from the host)."""
         drafter = self.drafter
-        drafter.flush()
+        self._commit()
         if self.broken is not None or any(
             drafter.pool.lengths[s] != m for s, m in zip(view.slots, view.lengths, strict=True)
         ):
@@ -402,6 +430,41 @@ class StaticDraft(_Replays):
                               self.status, done)  # fmt: skip
         return bucket.out
 
+    def _commit(self) -> None:
+        """Run the pairs the step's sequences queued (the head's commit of the accepted pairs,
+        lazily at the next draft) in a bucket per (batch, pairs padded to a size bucket,
+        features dtype): their features and tokens copied in, their slots, lengths and counts
+        uploaded (one small upload); eagerly where no bucket serves."""
+        drafter = self.drafter
+        waiting, feats, toks, counts = drafter.take_waiting()
+        if not waiting:
+            return
+        n = bucket_for(max(counts))
+        if self.broken is not None or n is None or n > drafter.max_len:
+            drafter.append(waiting, feats, toks, counts)
+            return
+        B, dev = len(waiting), self.keys.device
+        key = ("commit", B, n, feats[0].dtype)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            if self._rows is None:
+                self._rows = torch.arange(drafter.max_len, device=dev).view(1, -1)
+            bucket = self.buckets[key] = _CommitBucket(
+                drafter, torch.zeros(B, n, feats[0].shape[1], dtype=feats[0].dtype, device=dev),
+                torch.zeros(B, n, dtype=torch.long, device=dev),
+                torch.zeros(3, B, dtype=torch.long, device=dev), self._rows,
+            )  # fmt: skip
+        for b, (f, t, c) in enumerate(zip(feats, toks, counts, strict=True)):
+            bucket.features[b, :c].copy_(f)
+            bucket.tokens[b, :c].copy_(t)
+        m = [drafter.pool.lengths[s] for s in waiting]
+        bucket.meta.copy_(torch.tensor([waiting, m, counts]))
+        if not self._serve(bucket, (B, n), count=False):
+            drafter.append(waiting, feats, toks, counts)
+            return
+        for s, c in zip(waiting, counts, strict=True):
+            drafter.pool.lengths[s] += c
+
     def _sync_keys(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
         """Make each slot's device key the step's (seed, step): nothing to do after a step that
         advance() followed (the key moved on the device); an upload where it is out of step
@@ -428,9 +491,9 @@ class StaticDraft(_Replays):
 
     def _new_bucket(self, B: int, cfg: TreeConfig, coins, draft_to_target,
                     lookup: tuple[int, int]) -> _DraftBucket:  # fmt: skip
-        dev, max_len = self.keys.device, self.drafter.max_len
+        dev = self.keys.device
         if self._rows is None:
-            self._rows = torch.arange(max_len, dtype=torch.long, device=dev).view(1, max_len)
+            self._rows = torch.arange(self.drafter.max_len, device=dev).view(1, -1)
         return _DraftBucket(
             self.drafter, cfg, coins, draft_to_target, self.status,
             roots=torch.zeros(B, dtype=torch.long, device=dev),
