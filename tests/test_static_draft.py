@@ -222,3 +222,15 @@ def test_the_cost_measurement_drafts_as_the_steps_do(engine32, monkeypatch, tmp_
     assert gen.measure_s > 0 and sum(measured) >= 3  # the measurement went through it
     seq_key = decoder.static_draft.keys[0].tolist()
     assert seq_key[0] == 3 and seq_key[1] < 2**40  # back on the request's own steps
+
+
+def test_a_cloned_tree_owns_its_tensors():
+    """draft.cloned: what the measurement keeps of a captured draft, past other replays."""
+    from rheo_engine.spec.draft import cloned, root_only_tree
+
+    dt = root_only_tree(torch.tensor([5]), torch.tensor([3]))
+    copy = cloned(dt)
+    for name in ("tokens", "positions", "parents"):
+        getattr(dt.tree, name).fill_(9)
+    assert copy.tree.tokens.tolist() == [[5]] and copy.tree.positions.tolist() == [[3]]
+    assert copy.tree.parents.tolist() == [[-1]] and copy.head_candidates == dt.head_candidates

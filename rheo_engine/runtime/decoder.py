@@ -67,7 +67,7 @@ from rheo_engine.runtime.tree_policy import (
     tree_shape,
 )
 from rheo_engine.spec import kernels
-from rheo_engine.spec.draft import DraftTree, draft_tree, pool_kind, root_only_tree
+from rheo_engine.spec.draft import DraftTree, cloned, draft_tree, pool_kind, root_only_tree
 from rheo_engine.spec.lookup import (
     Candidates,
     LookupIndex,
@@ -854,8 +854,8 @@ class BatchDecoder:
                 key = [(request.seed, probe_step)]
                 dt = self.static_draft.draft(view, seq.root, shape, coins, key,
                                              head.draft_to_target)  # fmt: skip
-                if dt is not None:
-                    return dt
+                if dt is not None:  # kept past other replays: its own copy
+                    return cloned(dt)
             return draft_tree(
                 self.drafter, seq.root, prefix, shape, T, request.seed, probe_step,
                 head.draft_to_target,

@@ -393,7 +393,9 @@ class StaticDraft(_Replays):
     def draft(self, view: SlotBatch, roots: torch.Tensor, cfg: TreeConfig,
               coins: tuple[tuple[float, str], ...], keys: list[tuple[int, int]],
               draft_to_target: torch.Tensor | None, merge=None) -> DraftTree | None:  # fmt: skip
-        """The step's tree (valid until the bucket's next step), or None (draft eagerly).
+        """The step's tree, or None (draft eagerly). On CUDA its tensors are the bucket's: valid
+        until this loop's next draft or commit (the buckets' graphs share one memory pool, so
+        any replay may reuse them); draft.cloned keeps a copy.
         ``coins``: each entry's temperature and pool kind; ``keys``: its (seed, step);
         ``merge`` (spec.lookup.Merger): lookup candidates merged into the head's after the
         replay, and the pruning run then (the lookup candidates come from the host)."""

@@ -53,6 +53,15 @@ class DraftTree:
     head_candidates: int = -1
 
 
+def cloned(dt: DraftTree) -> DraftTree:
+    """A copy of ``dt`` that owns its tensors (a captured draft's outputs live in its bucket and
+    are rewritten at the next replay of any graph that shares its memory pool)."""
+    tree = kernels.Tree(**{f.name: getattr(dt.tree, f.name).clone()
+                           for f in dataclasses.fields(dt.tree)})  # fmt: skip
+    lookup = None if dt.node_lookup is None else dt.node_lookup.clone()
+    return DraftTree(tree, dt.q_tilde_ids.clone(), dt.q_tilde.clone(), lookup, dt.head_candidates)
+
+
 def pool_kind(method: str, temperature: float) -> kernels.PoolKind:
     """The Rheo pool for rrsw/rheo when sampling; plain top-K for topk and for greedy decoding."""
     return "rheo" if method in ("rrsw", "rheo") and temperature > 0 else "topk"
