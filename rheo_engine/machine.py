@@ -14,6 +14,8 @@ bf16/fp32 linear runs one kernel with one summation order, models/linear.py.)
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import hashlib
 import json
@@ -111,3 +113,20 @@ ONE_THREAD_BELOW_PARAMS = 10**9
 def default_threads(n_params: int) -> int:
     """Torch CPU threads for a target of ``n_params`` weights when none are asked for."""
     return 1 if n_params < ONE_THREAD_BELOW_PARAMS else torch.get_num_threads()
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim), after a load: reading
+    a GGUF file builds ~150 MB of small parser objects (gguf.GGUFReader's fields: one array per
+    vocabulary string) that are freed once the weights are out, but that glibc keeps mapped, so
+    the process would stay that much larger for its whole life. False where there is no glibc
+    (musl, macOS): nothing to do there."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True

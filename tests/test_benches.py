@@ -536,7 +536,8 @@ def test_throughput_and_batch_ops_quick():
 
 def test_step_profile_counts_what_a_gpu_launches(tmp_path):
     """bench/step_profile.py on the default pair: a row per (method, static buffers); the
-    static buffers launch fewer operators a step (the target's forward is one replay), every
+    static buffers launch fewer operators a step (the target's forward, the draft loop and the
+    head's commit are a replay each), every
     step reads the host once (the verdict) beside the prefill's, and the markdown is written."""
     md = tmp_path / "profile.md"
     run = _run_script(["bench/step_profile.py", *SMALL_TREE, "--prompts", "2",
@@ -550,10 +551,26 @@ def test_step_profile_counts_what_a_gpu_launches(tmp_path):
     for m in ("ar", "rheo"):
         assert ops[m, "on"] < ops[m, "off"] / 1.3, ops  # the forward's operators: one launch
         assert 1.0 <= reads[m, "on"] <= 2.0 and reads[m, "on"] == reads[m, "off"], reads
+    # the draft loop and the head's commit are replays too: a rheo step launches a fraction
+    assert ops["rheo", "on"] < 0.4 * ops["rheo", "off"], ops
     assert rows["ar", "off"][-1].startswith("1.00x")
     assert md.read_text().startswith("# bench=step_profile") and "| rheo | on |" in md.read_text()
     bad = _run_script(["bench/step_profile.py", "--graphs", "2"])
     assert bad.returncode == 2 and "--graphs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_load_memory_measures_a_fresh_process():
+    """bench/load_memory.py on the default pair: the RSS rows (loaded, after the tokens, peak)
+    with their ratios to the weight files; bad input in one line."""
+    run = _run_script(["bench/load_memory.py", "--pair", "default", "--tokens", "2"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("# bench=load_memory")
+    rows = [line.split(" | ") for line in run.stdout.splitlines()
+            if line.startswith(("| loaded", "| after 2 tokens", "| peak"))]  # fmt: skip
+    assert len(rows) == 3 and all(r[-1].endswith("x |") for r in rows), run.stdout
+    assert float(rows[0][1]) > 0 and float(rows[2][1]) >= float(rows[0][1])  # the peak is a peak
+    bad = _run_script(["bench/load_memory.py", "--tokens", "0"])
+    assert bad.returncode == 2 and "--tokens" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_tp_quick(context, tmp_path):

@@ -183,6 +183,31 @@ def test_the_head_follows_a_quantized_target_in_q8_0(engine_q8):
         dense.quantize("q4_0")
 
 
+def test_the_head_borrows_the_targets_quantized_embedding(engine_q8):
+    """No float copy of the vocabulary for the head (SmolLM2's would be 54 MB in bf16 beside
+    its 29 MB Q8_0 table): it looks its rows up in the target's table, with the bits that the
+    dequantized copy it used to hold gives."""
+    head, target = engine_q8.head, engine_q8.target
+    assert isinstance(target.embed_tokens, QuantWeight) and head.embed_tokens is target.embed_tokens
+    ids = torch.tensor([[0, 5, 17, target.cfg.vocab_size - 1], [3, 3, 2, 1]])
+    copy = target.embed_tokens.dequantize(head.dtype)  # what the head held before
+    rows = head.embed(ids)
+    assert rows.dtype == head.dtype and torch.equal(rows, copy[ids])
+
+
+def test_a_load_gives_the_parsers_freed_memory_back():
+    """machine.trim_heap after a load (glibc): the GGUF reader's ~150 MB of freed parser objects
+    leave the process (bench/load_memory.py measures it)."""
+    import ctypes.util
+    import platform
+
+    from rheo_engine.machine import trim_heap
+
+    if platform.system() != "Linux" or not ctypes.util.find_library("c"):
+        pytest.skip("malloc_trim is glibc's (Linux)")
+    assert trim_heap() is True
+
+
 def test_a_float_target_keeps_a_float_head():
     engine = Engine.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft")
     assert engine.head.quantized_kinds() == "" and engine.target.quantized_kinds() == ""

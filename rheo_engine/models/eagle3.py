@@ -327,15 +327,25 @@ class Eagle3Head:
         self,
         cfg: HeadConfig,
         weights: dict[str, torch.Tensor],
-        embed_tokens: torch.Tensor,
+        embed_tokens: torch.Tensor | QuantWeight,
         draft_to_target: torch.Tensor | None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = cfg
         self.w = weights  # official key names, see REQUIRED_KEYS
-        self.embed_tokens = embed_tokens  # [V, H]
+        # [V, H]: the target's own table where the head borrows it, a quantized one included
+        # (its rows are dequantized as they are looked up: no float copy of the vocabulary)
+        self.embed_tokens = embed_tokens
         self.draft_to_target = draft_to_target  # [Vd] int64 target ids, or None (identity)
         self.device = embed_tokens.device
-        self.dtype = embed_tokens.dtype
+        self.dtype = embed_tokens.dtype if dtype is None else dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``tokens`` in the head's dtype (a quantized table's rows
+        dequantized as a float copy of it would hold them: QuantWeight.rows)."""
+        if isinstance(self.embed_tokens, QuantWeight):
+            return self.embed_tokens.rows(tokens, self.dtype)
+        return self.embed_tokens[tokens]
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -364,7 +374,10 @@ class Eagle3Head:
         dtype = target.dtype if dtype is None else dtype
         placed = {k: weights[k].to(device, dtype) for k in REQUIRED_KEYS}
         maybe_ids = None if to_target is None else to_target.to(device)
-        return cls(cfg, placed, embed.to(device, dtype), maybe_ids)
+        # The target's quantized table stays one (moved, not dequantized: a float copy of
+        # SmolLM2's would be 54 MB in bf16 against its 29 MB in Q8_0)
+        table = embed.to(device) if isinstance(embed, QuantWeight) else embed.to(device, dtype)
+        return cls(cfg, placed, table, maybe_ids, dtype)
 
     @classmethod
     def from_pretrained(
@@ -451,7 +464,7 @@ class Eagle3Head:
             return self._fused_layer(h, tokens, positions, past_k, past_v, mask)
         c, w = self.cfg, self.w
         B, n, _ = h.shape
-        e = self.embed_tokens[tokens]  # [B, n, H]
+        e = self.embed(tokens)  # [B, n, H]
         # docs/eagle3_format.md §7: embedding half first; the residual is the un-normed h.
         e_normed = rms_norm(e, w["midlayer.input_layernorm.weight"], c.rms_norm_eps)
         h_normed = rms_norm(h, w["midlayer.hidden_norm.weight"], c.rms_norm_eps)
@@ -514,7 +527,7 @@ class Eagle3Head:
         B, n, _ = h.shape
         Hq, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         w_qkv, w_gate_up, inv_freq = self._fused_weights()
-        e = self.embed_tokens[tokens]  # [B, n, H]
+        e = self.embed(tokens)  # [B, n, H]
         # docs/eagle3_format.md §7: embedding half first; the residual is the un-normed h.
         _, e_normed = kernels.add_rms_norm(e, w["midlayer.input_layernorm.weight"], eps)
         _, h_normed = kernels.add_rms_norm(h, w["midlayer.hidden_norm.weight"], eps)

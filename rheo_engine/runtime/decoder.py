@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from rheo_engine.config import TreeConfig
+from rheo_engine.machine import trim_heap
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
 from rheo_engine.models.kv_cache import SlotBatch
@@ -790,6 +791,7 @@ class BatchDecoder:
                 if not profile.doubts():
                     break
             request.measure_s += time.perf_counter() - start
+            trim_heap()  # the measurement's trees and logits, freed, back to the OS
             if profile.target_s and max(profile.target_s) >= cfg.total_tokens:
                 self.profiles[key] = profile  # covers every tree: reuse it
                 keep_profile(profile)  # and in the next process on this machine, unless in doubt

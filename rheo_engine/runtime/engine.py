@@ -22,7 +22,7 @@ import torch
 from rheo_engine.io.generation_config import GenerationDefaults
 from rheo_engine.io.gguf import is_gguf, read_gguf
 from rheo_engine.io.tokenizer import MODEL_TEMPLATE, Tokenizer
-from rheo_engine.machine import default_threads
+from rheo_engine.machine import default_threads, trim_heap
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.llama import LlamaModel, parameter_count
 from rheo_engine.parallel import TPGroup
@@ -434,4 +434,5 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
         n_threads = max(1, total // (1 if tp is None else tp.size))
         if tp is not None and not tp.leader:  # a rank's own process: it only follows rank 0
             torch.set_num_threads(n_threads)
+    trim_heap()  # the file readers' freed memory back to the OS (machine.trim_heap)
     return Engine(model, head, tokenizer, defaults, n_threads)
