@@ -382,9 +382,12 @@ class StaticDraft(_Replays):
     eager: int = 0
     broken: str | None = None
     _mempool: object = None
-    _rows: torch.Tensor | None = None  # [1, max_len] arange, shared by the buckets
-    _one: torch.Tensor | None = None  # (0, 1): a step's advance of a key
     _held: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot: its key's content
+
+    def __post_init__(self) -> None:
+        dev = self.keys.device
+        self._rows = torch.arange(self.drafter.max_len, device=dev).view(1, -1)  # the buckets'
+        self._one = torch.tensor([0, 1], dtype=torch.int64, device=dev)  # a step's advance
 
     @property
     def captured(self) -> bool:
@@ -449,8 +452,6 @@ class StaticDraft(_Replays):
         key = ("commit", B, n, feats[0].dtype)
         bucket = self.buckets.get(key)
         if bucket is None:
-            if self._rows is None:
-                self._rows = torch.arange(drafter.max_len, device=dev).view(1, -1)
             bucket = self.buckets[key] = _CommitBucket(
                 drafter, torch.zeros(B, n, feats[0].shape[1], dtype=feats[0].dtype, device=dev),
                 torch.zeros(B, n, dtype=torch.long, device=dev),
@@ -480,22 +481,18 @@ class StaticDraft(_Replays):
                 keys: list[tuple[int, int]]) -> None:  # fmt: skip
         """After a step of ``slots`` ([B] int32 on the device, and on the host) drawn with
         ``keys`` (seed, step): each slot's device key moves to step + 1, on the device."""
-        if not any(self._held.get(s) == k for s, k in zip(slots, keys, strict=True)):
-            return
+        moved = False
         for slot, (seed, step) in zip(slots, keys, strict=True):
             if self._held.get(slot) == (seed, step):
-                self._held[slot] = (seed, step + 1)
+                self._held[slot], moved = (seed, step + 1), True
             else:
                 self._held.pop(slot, None)  # stale: the next draft uploads it
-        if self._one is None:
-            self._one = torch.tensor([0, 1], dtype=torch.int64, device=self.keys.device)
-        self.keys.index_add_(0, slots_dev.long(), self._one.expand(len(slots), 2))
+        if moved:  # a step that drew with no held key leaves the table alone
+            self.keys.index_add_(0, slots_dev.long(), self._one.expand(len(slots), 2))
 
     def _new_bucket(self, B: int, cfg: TreeConfig, coins, draft_to_target,
                     lookup: tuple[int, int]) -> _DraftBucket:  # fmt: skip
         dev = self.keys.device
-        if self._rows is None:
-            self._rows = torch.arange(self.drafter.max_len, device=dev).view(1, -1)
         return _DraftBucket(
             self.drafter, cfg, coins, draft_to_target, self.status,
             roots=torch.zeros(B, dtype=torch.long, device=dev),
