@@ -32,6 +32,7 @@ from rheo_engine.spec.lookup import (
     LookupStats,
     candidates,
     lookup_tree,
+    shadow_events,
     step_events,
 )
 from rheo_engine.spec.step import Draw, speculative_step
@@ -312,6 +313,49 @@ def test_events_of_a_step():
     assert out.parents == [[-1, 0, 1, 2]] and out.node_lookup == [[-1, 0, 1, 2]]
     events = step_events(cands, out)
     assert [(d, held) for _, d, held in events] == [(1, True), (2, True), (3, False)]
+
+
+def test_shadow_events_of_a_step_without_lookup_nodes():
+    """A plain step (or a head-only tree) is evidence on the lookup drafts all the same: the
+    best-ranked chain, matched against the emitted tokens while they agree."""
+    index = LookupIndex([0, 1, 2, 3, 0, 1, 2, 3, 0])
+    cands = candidates(index, LookupStats(), 3, 4)
+    assert [(d, held) for _, d, held in shadow_events(cands, [1, 2, 9])] == [
+        (1, True), (2, True), (3, False)]  # fmt: skip
+    assert [(d, held) for _, d, held in shadow_events(cands, [1])] == [(1, True)]  # plain
+    assert [(d, held) for _, d, held in shadow_events(cands, [4, 1])] == [(1, False)]
+    assert shadow_events(candidates(LookupIndex([0, 1, 2]), LookupStats(), 3, 4), [1]) == []
+    stats = LookupStats()
+    for _ in range(20):  # plain steps that never emit the lookup's token: its cell falls
+        stats.observe(shadow_events(cands, [4]))
+    assert stats.rate(*shadow_events(cands, [4])[0][:2]) < 0.1 < LookupStats().rate(1, 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)]
+)
+def test_a_shadow_event_holds_as_often_as_verification_accepts(method, sampling):
+    """Exact, on the n-gram toy: the emitted tokens follow the target's law whatever the tree,
+    so P(they match a lookup chain to depth d) is the target's probability of the chain's
+    first d tokens, and that is what verification accepts the chain's depth-d node with (a
+    deterministic child: p(token | path)). So shadow evidence estimates what a tree would
+    have accepted, at any temperature."""
+    table = motif_target()
+    history = [4, 0, 1, 2, 3, 4, 0]  # one match of "0": a chain 1 2 3 4
+    cands = candidates(LookupIndex(history), LookupStats(), 4, 4)
+    assert cands.parents == [-1, 0, 1, 2], "a chain"
+    hist = torch.tensor([history[-(ORDER - 1) :]], dtype=torch.int32)
+    dt = lookup_tree(cands, hist[:, -1], torch.zeros(1, dtype=torch.int32), 5, 4)
+    logits, _ = NGramTarget(table, hist).forward_tree(dt.tree)
+    accept_prob, _ = verify_law(logits, dt, method, sampling)
+    reach = 1.0
+    for d in range(1, 5):
+        reach *= float(accept_prob[0, d])  # node d: depth d (a chain, breadth-first)
+        chain = tuple(cands.tokens[:d])
+        assert reach == pytest.approx(float(target_law(table, history, d, sampling)[chain]),
+                                      abs=1e-12)  # fmt: skip
+    assert float(accept_prob[0, 1]) > 0.2, "the chain is rarely accepted: weak test"
 
 
 # --- 6. the engine: any target speculates, greedy is greedy ------------------------------------

@@ -116,8 +116,9 @@ def test_acceptance_moves_the_choice():
 def test_pairs_waiting_for_the_head_are_priced_into_a_chosen_tree():
     """A tree step first runs the head over the pairs of the plain steps before it: with level
     costs per row, a tree that pays at once does not after 30 plain steps (30 pairs), nor in a
-    batch of 4 after 8; a probe is not charged for them (whatever drafts next runs them: a
-    probe that paid for them would never come while they pile up)."""
+    batch of 4 after 8. A probe's tree is not bounded by them (they would rule out every tree
+    as they pile up), but its budget pays them: a probe of a head whose trees never pay runs
+    that pass for nothing (on the default pair at T = 1 it was most of a probe's loss)."""
     prof = CostProfile("toy", {1: 1.0, 2: 1.05, 16: 1.3}, 0.05, {1: 0.02, 4: 0.08, 32: 0.64},
                        {1: 0.0})  # fmt: skip
     assert prof.waiting_s(1) == 0.0 and prof.waiting_s(30) == pytest.approx(0.58)
@@ -127,8 +128,16 @@ def test_pairs_waiting_for_the_head_are_priced_into_a_chosen_tree():
     policy.set_batch(4)
     assert policy.choose(100, 100, waiting=8).method == "ar"  # 32 rows padded
     cold = AutoTree(BOUND, prof)
-    methods = [cold.choose(100, 100, waiting=50 + k).method for k in range(AutoTree.PROBE_FIRST)]
-    assert methods[-1] == "rheo" and cold.predicted_s < 2.0  # the probe, priced without them
+    methods = [cold.choose(100, 100, waiting=3 + k).method for k in range(AutoTree.PROBE_FIRST)]
+    probe = cold.step_s[cold.topks.index(4)].max()  # at most this, at least a plain step
+    assert methods[-1] == "rheo" and cold.predicted_s == pytest.approx(
+        cold.probe_cost) and cold.probe_cost <= probe + prof.waiting_s(6)  # fmt: skip
+    assert cold.probe_risk == pytest.approx(cold.probe_cost - cold.plain_s)
+    assert cold.probe_cost > cold.predicted_s - prof.waiting_s(6) - 1e-12  # charged the pairs
+    # 50 pairs waiting cost about a plain step: over a cold start's budget (one probe's worth)
+    swamped = AutoTree(BOUND, prof)
+    methods = [swamped.choose(100, 100, waiting=50).method for k in range(AutoTree.PROBE_FIRST)]
+    assert methods == ["ar"] * AutoTree.PROBE_FIRST and swamped.probes == 0
 
 
 def test_profile_round_trip_and_bad_file(tmp_path):
@@ -267,9 +276,10 @@ def test_fixed_tree_keeps_the_configured_shape(tiny):
 
 def test_probes_cost_a_bounded_share_of_the_time():
     """Under trees that never pay, probes still come (a text may become easier), but what they
-    lose against plain steps stays within PROBE_SHARE of the time plus one probe's worth.
-    (Before issue 26 a probe came after 8, 16, 32, ... plain steps, and the prior, faded
-    back, drafted 60-node trees between them.)"""
+    lose against plain steps stays within PROBE_SHARE of the time plus one probe's worth, and
+    each probe that lost doubles the gap to the next, up to PROBE_GAP_MAX. (Before issue 26
+    the prior, faded back, drafted 60-node trees between probes; before issue 39 probes came
+    every PROBE_GAP steps while the budget lasted: ~4 a 128-token request, all losses.)"""
     prof = profile({1: 1.0, 2: 1.6, 16: 4.0}, level_s=0.1)
     policy = AutoTree(BOUND, prof)
     drafted, lost = [], 0.0
@@ -279,12 +289,37 @@ def test_probes_cost_a_bounded_share_of_the_time():
             drafted.append(step)
             lost += policy.predicted_s - policy.plain_s  # it accepts nothing
         policy.observe(cfg, None if cfg.method == "ar" else outcome([]), 1.0)
-    assert drafted[0] == AutoTree.PROBE_FIRST - 1 and len(drafted) >= 10
-    assert min(np.diff(drafted)) >= AutoTree.PROBE_GAP
+    assert drafted[0] == AutoTree.PROBE_FIRST - 1 and len(drafted) >= 8
+    gaps = np.diff(drafted)
+    # the gap after the (i + 1)-th losing probe: PROBE_GAP doubled i + 1 times, at most the cap
+    # (the budget may hold a probe back longer)
+    wanted = [min(AutoTree.PROBE_GAP * 2 ** (i + 1), AutoTree.PROBE_GAP_MAX)
+              for i in range(len(gaps))]  # fmt: skip
+    assert all(gap >= want for gap, want in zip(gaps, wanted, strict=True)), (gaps, wanted)
+    assert max(gaps) <= 2 * AutoTree.PROBE_GAP_MAX  # still probing: a text may become easier
     assert lost == pytest.approx(policy.probe_loss_s)
     one_probe = (AutoTree.PROBE_COST - 1) * policy.plain_s
     assert policy.probe_loss_s <= AutoTree.PROBE_SHARE * policy.total_s + one_probe
-    assert policy.probe_share > 0.01  # the budget is used, not starved
+
+
+def test_a_probe_that_pays_brings_the_next_one_sooner():
+    """After a losing probe the gap doubles; a probe that paid for itself sets it back."""
+    prof = profile({1: 1.0, 2: 1.6, 16: 4.0}, level_s=0.1)
+    policy = AutoTree(BOUND, prof)
+    probes = []
+    for step in range(300):
+        cfg = policy.choose(100, 100)
+        if cfg.method == "ar":
+            policy.observe(cfg, None, 1.0)
+            continue
+        probes.append(step)
+        # the first two accept nothing, the third everything it drafted
+        policy.observe(cfg, outcome([1, 5, 9, 13] if len(probes) == 3 else []), 1.0)
+        if len(probes) == 3:
+            break
+    assert policy.probe_gap == 4 * AutoTree.PROBE_GAP  # before the third settles
+    policy.choose(100, 100)
+    assert policy.probe_gap == AutoTree.PROBE_GAP
 
 
 def test_a_probe_that_pays_is_not_charged():

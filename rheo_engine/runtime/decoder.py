@@ -76,6 +76,7 @@ from rheo_engine.spec.lookup import (
     Merger,
     candidates,
     lookup_tree,
+    shadow_events,
     step_events,
 )
 from rheo_engine.spec.step import Draw, StepResult, max_tree_size, speculative_step
@@ -122,6 +123,11 @@ class SeqState:
     head_tokens: float = 1.0
     # the machine's measured step costs as this sequence's own steps correct them
     local: LocalCosts | None = None
+    # Pairs this request's steps queued for the head since it last drafted (AutoTree.choose's
+    # ``waiting``). The prompt's pairs, which the first draft runs too, are not counted: a
+    # one-time cost like the prefill, run early when the auto tree measures on this slot, so
+    # counting them would make a seeded run's trees depend on whether a profile was kept.
+    queued: int = 0
 
 
 def _outcome_row(outcome: Outcome, b: int) -> Outcome:
@@ -490,8 +496,9 @@ class BatchDecoder:
         return [(part, cfg, policy) for cfg, part in parts.items()]
 
     def _waiting(self, seqs: list[SeqState]) -> int:
-        """The most pairs any of these sequences has waiting for the head (AutoTree.choose)."""
-        return max(self.drafter.waiting(s.slot) for s in seqs)
+        """The most pairs any of these sequences' steps queued for the head since it last
+        drafted (AutoTree.choose; SeqState.queued)."""
+        return max(s.queued for s in seqs)
 
     def _plan_lookup(self, seqs: list[SeqState], room, wanted):
         """Prompt lookup's step: per sequence its own tree of lookup candidates, as many nodes
@@ -649,6 +656,8 @@ class BatchDecoder:
         )  # fmt: skip
         seconds = time.perf_counter() - start
         predicted = getattr(policy, "predicted_s", None)
+        head_drafted = group.drafts and group.source != "lookup" and cfg.method != "ar" and (
+            lookup != "alone")  # fmt: skip
         out = []
         if lookup == "alone" and len(seqs) == 1 and seqs[0].local is not None:
             seqs[0].local.observe(cfg.total_tokens if cfg.method != "ar" else 1, seconds)
@@ -676,6 +685,7 @@ class BatchDecoder:
             s.root = result.verdict.bonus_token[b : b + 1].long()
             s.step += 1
             s.emitted += len(emitted)
+            s.queued = 0 if head_drafted else s.queued + len(emitted)
             out.append((s, emitted, logprobs))
         return out
 
@@ -686,16 +696,19 @@ class BatchDecoder:
         source, the index extended with the emitted tokens. Returns the outcome as the head's
         tree policy sees it: its own nodes only (a merged tree's path cut at the first
         lookup-only node)."""
-        s.lookup.extend(row.emitted[0])
+        emitted = row.emitted[0]
+        s.lookup.extend(emitted)
         cands, s.cands = s.cands, None
         if cfg.method == "ar":
+            if cands:  # what the lookup drafts would have done (spec.lookup.shadow_events)
+                s.lookup_stats.observe(shadow_events(cands, emitted))
             return row
         n, path = row.accept_len[0], row.accept_path[0]
         accepted = s.request.accepted
         source = {"alone": "lookup", "": "head"}.get(lookup)
         if source is not None:  # one source's tree
-            if lookup:
-                s.lookup_stats.observe(step_events(cands, row))
+            s.lookup_stats.observe(step_events(cands, row) if lookup else
+                                   shadow_events(cands, emitted) if cands else [])  # fmt: skip
             accepted[source] = accepted.get(source, 0) + n - 1
             return row
         s.lookup_stats.observe(step_events(cands, row))

@@ -520,9 +520,11 @@ class AutoTree:
     differ), depth <= bound.depth, size in SIZES <= bound.total_tokens. A tree is drafted when
     the evidence says it beats a plain step by MARGIN; otherwise the step is plain. A probe
     drafts the best tree under an optimistic prior instead: the first at step PROBE_FIRST, then
-    at most every PROBE_GAP steps, and only while what probes lost against plain steps
-    (predicted: a probe's cost less a plain step per token it emitted) stays within
-    PROBE_SHARE of all predicted time, plus one probe's worth (docs/tree_policy.md §6).
+    at most every ``probe_gap`` steps (PROBE_GAP, doubled after each probe that did not pay for
+    itself, up to PROBE_GAP_MAX, back to PROBE_GAP after one that did), and only while what
+    probes lost against plain steps (predicted: a probe's cost, the head's pass over the pairs
+    waiting for it included, less a plain step per token it emitted) stays within PROBE_SHARE
+    of all predicted time, plus one probe's worth (docs/tree_policy.md §6).
 
     ``check=True`` (a profile kept by an earlier process): the first real steps' measured
     seconds are compared with the predictions; when their median ratio is off by more than
@@ -539,6 +541,11 @@ class AutoTree:
     # real steps also ran the head over the pairs that waited, lost 2% of the time of requests
     # whose trees never paid (BENCHMARKS.md, "A plain step and a probe at T = 1").
     PROBE_FIRST, PROBE_GAP, PROBE_SHARE, PROBE_COST, MARGIN = 4, 16, 0.01, 2.0, 1.3
+    # A probe that did not pay for itself (tokens per second below a plain step's, as
+    # predicted) doubles the gap to the next, up to PROBE_GAP_MAX: on the default pair at
+    # T = 1 (2-core EPYC, AVX2) requests of 128 tokens ran ~4 probes each, every one a loss
+    # (BENCHMARKS.md, "Probes at T = 1: the backlog priced, the gap doubled").
+    PROBE_GAP_MAX = 256
     # After a step found that no tree beats a plain step, the next RECHECK - 1 plain steps do
     # not search again: with no new evidence the answer does not move, and the search
     # (~0.1 ms) was ~3% of a plain step of the default pair.
@@ -564,6 +571,8 @@ class AutoTree:
         self.total_s = 0.0  # predicted seconds of every step chosen
         self.probe_loss_s = 0.0  # predicted seconds probes lost against plain steps
         self.probe_step, self.probe_risk = -1, 0.0  # the last probe and what it may still lose
+        self.probe_gap = self.PROBE_GAP  # steps from a probe to the next (doubles on a loss)
+        self.probe_cost, self.probe_tokens = 0.0, []  # the last probe's price, tokens per sequence
         self.checks: list[float] | None = [] if check else None  # measured / predicted
         self.contradicted = False
         self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
@@ -598,9 +607,11 @@ class AutoTree:
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
         sizes = np.array(self.sizes)[None, None, :]
         ok = self.feasible & (sizes <= room) & (depths <= wanted - 1)
-        if optimistic:  # the pairs waiting are not a probe's to pay: whatever drafts next
-            # runs them, and a probe that did would starve (they grow with every plain step)
+        if optimistic:  # a tree of at most PROBE_COST plain steps that the budget affords
+            # with the head's pass over the pairs waiting (which the probe runs), rated without
+            # them (they cost every tree the same)
             ok &= self.step_s <= self.PROBE_COST * self.plain_s
+            ok &= self.step_s + self.waiting_s <= self._probe_limit()
             rate = np.where(ok, emitted / self.step_s, -1.0)
         else:
             rate = np.where(ok, emitted / (self.step_s + self.waiting_s), -1.0)
@@ -612,6 +623,7 @@ class AutoTree:
         of the batch has waiting for the head (plain steps since it last drafted), which a tree
         step runs first; a batch's pass over them is padded to the longest."""
         self.waiting_s = self.profile.waiting_s(waiting * self.batch)
+        self._settle_probe()
         self.steps += 1
         self.since_probe += 1
         cfg = self._choose(room, wanted)
@@ -630,27 +642,42 @@ class AutoTree:
             rate, i, d, j = self._best(room, wanted, optimistic=False)
             if rate <= self.MARGIN / plain_s:
                 self.plain_known = self.RECHECK - 1
-        if self.since_probe >= (self.PROBE_GAP if self.probes else self.PROBE_FIRST):
+        if self.since_probe >= (self.probe_gap if self.probes else self.PROBE_FIRST):
             probe = self._best(room, wanted, optimistic=True)
             self.since_probe = 0
-            if probe[0] > 0 and self._affordable(float(self.step_s[probe[1:]])):
+            if probe[0] > 0:  # one the budget affords, the pairs waiting included (_best)
                 rate, i, d, j = probe
+                cost = float(self.step_s[i, d, j]) + self.waiting_s
                 self.probes += 1
-                self.probe_step = self.steps
-                self.probe_risk = float(self.step_s[i, d, j]) - plain_s
+                self.probe_step, self.probe_cost, self.probe_tokens = self.steps, cost, []
+                self.probe_risk = cost - plain_s
                 self.probe_loss_s += self.probe_risk  # refunded per token it emits (observe)
-                return self._tree(i, d, j, probe=True)
+                return self._tree(i, d, j)
         if rate > self.MARGIN / plain_s:
             return self._tree(i, d, j)
         return TreeConfig("ar")
 
-    def _affordable(self, cost: float) -> bool:
-        """Whether a probe of predicted ``cost`` keeps the probes' loss within budget."""
-        budget = self.PROBE_SHARE * (self.total_s + cost) + (self.PROBE_COST - 1) * self.plain_s
-        return self.probe_loss_s + cost - self.plain_s <= budget
+    def _probe_limit(self) -> float:
+        """The most a probe may cost (its tree and the head's pass over the pairs waiting)
+        and keep what probes lose within budget: probe_loss_s + cost - plain <= PROBE_SHARE *
+        (total_s + cost) + (PROBE_COST - 1) * plain. A head whose trees never pay runs that
+        pass for nothing, so it is the probe's to pay."""
+        room = self.PROBE_SHARE * self.total_s + self.PROBE_COST * self.plain_s
+        return (room - self.probe_loss_s) / (1.0 - self.PROBE_SHARE)
 
-    def _tree(self, i: int, d: int, j: int, probe: bool = False) -> TreeConfig:
-        self.predicted_s = float(self.step_s[i, d, j]) + (0.0 if probe else self.waiting_s)
+    def _settle_probe(self) -> None:
+        """After a probe's step (observed once per sequence of its batch): the gap to the next
+        probe doubles when it did not pay for itself (its tokens per sequence fewer than the
+        plain steps its predicted price would have bought), else it is PROBE_GAP again."""
+        if not self.probe_tokens:
+            return
+        tokens = sum(self.probe_tokens) / len(self.probe_tokens)
+        paid = tokens * self.plain_s >= self.probe_cost
+        self.probe_gap = self.PROBE_GAP if paid else min(2 * self.probe_gap, self.PROBE_GAP_MAX)
+        self.probe_tokens = []
+
+    def _tree(self, i: int, d: int, j: int) -> TreeConfig:
+        self.predicted_s = float(self.step_s[i, d, j]) + self.waiting_s
         return dataclasses.replace(
             self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
         )
@@ -667,6 +694,7 @@ class AutoTree:
         path = np.array(outcome.accept_path[0][1:n], dtype=np.int64)  # nodes past the root
         accepted[path - 1] = 1.0
         if self.probe_step == self.steps:  # each token the probe emitted saves a plain step
+            self.probe_tokens.append(n)
             refund = min(self.probe_risk, (n - 1) * self.plain_s / self.batch)
             self.probe_risk -= refund
             self.probe_loss_s -= refund

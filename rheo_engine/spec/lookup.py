@@ -169,12 +169,17 @@ def candidates(
     weight = [weight[i] for i in order]
     total = len(matches)
     scores = []
+    rates: dict[tuple[int, int], float] = {}  # a step reads a few cells, each many times
     for i in range(len(tokens)):
         p = parents[i]
         above = total if p < 0 else weight[p]
         share = weight[i] / above
         base = 0.0 if p < 0 else scores[p]
-        scores.append(base + math.log(stats.rate(match_n[i], depth[i]) * share))
+        cell = (match_n[i], depth[i])
+        rate = rates.get(cell)
+        if rate is None:
+            rate = rates[cell] = stats.rate(*cell)
+        scores.append(base + math.log(rate * share))
     return Candidates(tokens, parents, depth, match_n, scores)
 
 
@@ -361,4 +366,31 @@ def step_events(cands: Candidates, outcome, b: int = 0) -> list[tuple[int, int, 
         held = k + 1 < len(path) and path[k + 1] in kids
         c = which[path[k + 1] if held else min(kids)]
         events.append((cands.match_n[c], cands.depth[c], held))
+    return events
+
+
+def shadow_events(cands: Candidates, emitted: list[int]) -> list[tuple[int, int, bool]]:
+    """What a step whose tree held no lookup node says of the lookup drafts all the same
+    (LookupStats.observe): the tokens it emitted follow the target's law whatever the tree
+    (lossless), so the best-ranked lookup chain's depth-d token equals the d-th emitted one,
+    given the tokens above it did, with the probability that verification would have accepted
+    it given its parent (exactly the target's choice at T = 0; p(token | path) when sampling,
+    what a deterministic draft is accepted with). One event per depth down the chain while it
+    matches, as step_events gives for a tree: (n of the best-ranked child, its depth, matched).
+    A plain step is then evidence too: at T = 1 the per-cell prior (0.5) drafted short matches
+    in every new request until each cell had failed on a real tree (BENCHMARKS.md, "Lookup
+    evidence from every step")."""
+    events, parent = [], -1
+    for token in emitted:
+        best = None
+        for i, p in enumerate(cands.parents):  # the parent's best-ranked child (ranked())
+            if p == parent and (best is None or cands.scores[i] > cands.scores[best]):
+                best = i
+        if best is None:
+            break
+        held = cands.tokens[best] == token
+        events.append((cands.match_n[best], cands.depth[best], held))
+        if not held:
+            break
+        parent = best
     return events
