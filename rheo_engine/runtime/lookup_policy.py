@@ -40,8 +40,13 @@ class StepCosts:
     pinned: bool = False  # from a request's cost_profile=: no step time corrects it
 
     def cost(self, n: int) -> float:
-        """Seconds at n rows: linear between measured sizes, past the last by its slope."""
-        return extrapolated(self.step_s, n)
+        """Seconds at n rows: linear between measured sizes, past the last by its slope
+        (each n computed once: the policy reads a few dozen every step)."""
+        table = self.__dict__.setdefault("_at", {})
+        at = table.get(n)
+        if at is None:
+            at = table[n] = extrapolated(self.step_s, n)
+        return at
 
 
 @dataclass
@@ -158,7 +163,12 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
     plain = 1.0 / costs.cost(1)
     best_rate, best_n, gained = plain * MARGIN, 1, 0.0
     for n in range(2, limit + 1):
-        gained += math.exp(cands.scores[usable[n - 2]])
+        node = math.exp(cands.scores[usable[n - 2]])
+        # No larger tree can win: each further node adds at most this one's estimate (they
+        # are ranked) and costs no less than n rows (the costs are monotone). An exact cut.
+        if (1.0 + gained + (limit - n + 1) * node) / costs.cost(n) <= best_rate:
+            break
+        gained += node
         rate = (1.0 + gained) / costs.cost(n)
         if rate > best_rate:
             best_rate, best_n = rate, n

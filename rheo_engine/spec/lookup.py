@@ -138,49 +138,52 @@ class Candidates:
 def candidates(
     index: LookupIndex, stats: LookupStats, max_depth: int, branches: int
 ) -> Candidates:
-    """The context's matches as a scored trie (module docstring)."""
-    if max_depth < 1:
-        return Candidates([], [], [], [], [])
+    """The context's matches as a scored trie (module docstring), built depth by depth: so
+    breadth-first as it is made, and within a depth in the order of the first match through
+    each node (every step runs it: ~4x faster than building each match's path, then sorting)."""
     out = Candidates([], [], [], [], [])
-    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    weight: list[int] = []  # continuations through each node
+    if max_depth < 1:
+        return out
+    tokens, parents, depth, match_n, scores = (out.tokens, out.parents, out.depth, out.match_n,
+                                               out.scores)  # fmt: skip
     matches = index.matches(max_depth, branches)
-    for n, cont in matches:
-        parent = -1
-        for d, t in enumerate(cont, 1):
-            node = children.get((parent, t))
+    weight: list[int] = []  # continuations through each node
+    at = [-1] * len(matches)  # each match's node at the depth above (-1: the root)
+    live = list(range(len(matches)))  # the matches that reach this depth
+    rates: dict[tuple[int, int], float] = {}  # a step reads a few cells, each many times
+    total = len(matches)
+    for d in range(1, max_depth + 1):
+        level: dict[tuple[int, int], int] = {}  # (parent, token) -> node, this depth
+        first = len(tokens)
+        reach = []
+        for m in live:
+            n, cont = matches[m]
+            if len(cont) < d:
+                continue
+            reach.append(m)
+            key = (at[m], cont[d - 1])
+            node = level.get(key)
             if node is None:
-                node = children[(parent, t)] = len(out.tokens)
-                out.tokens.append(t)
-                out.parents.append(parent)
-                out.depth.append(d)
-                out.match_n.append(n)
-                out.scores.append(0.0)
+                node = level[key] = len(tokens)
+                tokens.append(cont[d - 1])
+                parents.append(at[m])
+                depth.append(d)
+                match_n.append(n)
                 weight.append(0)
             weight[node] += 1
-            parent = node
-    # Breadth-first order (parents before children), then the scores top-down.
-    order = sorted(range(len(out)), key=lambda i: (out.depth[i], i))
-    new = {old: i for i, old in enumerate(order)}
-    tokens = [out.tokens[i] for i in order]
-    parents = [-1 if out.parents[i] < 0 else new[out.parents[i]] for i in order]
-    depth = [out.depth[i] for i in order]
-    match_n = [out.match_n[i] for i in order]
-    weight = [weight[i] for i in order]
-    total = len(matches)
-    scores = []
-    rates: dict[tuple[int, int], float] = {}  # a step reads a few cells, each many times
-    for i in range(len(tokens)):
-        p = parents[i]
-        above = total if p < 0 else weight[p]
-        share = weight[i] / above
-        base = 0.0 if p < 0 else scores[p]
-        cell = (match_n[i], depth[i])
-        rate = rates.get(cell)
-        if rate is None:
-            rate = rates[cell] = stats.rate(*cell)
-        scores.append(base + math.log(rate * share))
-    return Candidates(tokens, parents, depth, match_n, scores)
+            at[m] = node
+        for i in range(first, len(tokens)):  # the new nodes' scores, their weights complete
+            p = parents[i]
+            cell = (match_n[i], d)
+            rate = rates.get(cell)
+            if rate is None:
+                rate = rates[cell] = stats.rate(*cell)
+            share = weight[i] / (total if p < 0 else weight[p])
+            scores.append((0.0 if p < 0 else scores[p]) + math.log(rate * share))
+        live = reach
+        if not live:
+            break
+    return out
 
 
 def lookup_tree(
