@@ -573,6 +573,25 @@ def test_load_memory_measures_a_fresh_process():
     assert bad.returncode == 2 and "--tokens" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_policy_trace_files_every_step():
+    """bench/policy_trace.py on the default pair at T = 0: the kinds' table and the run's line
+    against plain steps; every counted step is plain or filed under a kind; bad input in one
+    line."""
+    run = _run_script(["bench/policy_trace.py", "--prompts", "2", "--max-new-tokens", "16",
+                       "--temperature", "0"])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert out.startswith("# bench=policy_trace") and "| kind | nodes |" in out, out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| lookup")
+            or line.startswith("| head") or line.startswith("| probe")]  # fmt: skip
+    counts = next(line for line in out.splitlines() if line.startswith("steps "))
+    steps, plain = int(counts.split()[1].rstrip(",")), int(counts.split()[3].rstrip(":"))
+    assert plain + sum(int(r[3]) for r in rows) == steps, out
+    assert "x** a run of plain steps" in out
+    bad = _run_script(["bench/policy_trace.py", "--rounds", "1"])
+    assert bad.returncode == 2 and "--rounds=1" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_tp_quick(context, tmp_path):
     """bench/tp.py on the default pair, TP 1 vs 2, one run of 8 tokens: the tables print, the
     collectives per step are 2 all-reduces a layer and 1 logits gather, and the projection's
