@@ -592,6 +592,22 @@ def test_policy_trace_files_every_step():
     assert bad.returncode == 2 and "--rounds=1" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_first_answer_times_a_fresh_cache():
+    """bench/first_answer.py on the default pair: the first call measures (its measure_s and
+    parts > 0), the second reads what it measured (nothing measured); bad input in one line."""
+    run = _run_script(["bench/first_answer.py", "--tokens", "4"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| 1 ")
+            or line.startswith("| 2 ")]  # fmt: skip
+    assert len(rows) == 2, run.stdout
+    first, second = ([float(v) for v in r[1:-1]] + [float(r[-1].rstrip(" |"))] for r in rows)
+    assert first[1] > 0 and sum(first[2:]) > 0, run.stdout  # measured on the first call
+    assert second[1] == 0 and sum(second[2:]) == 0, run.stdout  # and only then
+    assert "first / second call: **" in run.stdout
+    bad = _run_script(["bench/first_answer.py", "--calls", "1"])
+    assert bad.returncode == 2 and "--calls=1" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_tp_quick(context, tmp_path):
     """bench/tp.py on the default pair, TP 1 vs 2, one run of 8 tokens: the tables print, the
     collectives per step are 2 all-reduces a layer and 1 logits gather, and the projection's
