@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -83,8 +84,6 @@ class Trace:
         def lookup_nodes(cands, costs, room, wanted, max_nodes):
             n, depth = nodes(cands, costs, room, wanted, max_nodes)
             if n > 1 and costs is not None:
-                import math
-
                 usable = [i for i in cands.ranked() if cands.depth[i] <= wanted - 1]
                 gained = sum(math.exp(cands.scores[usable[k]]) for k in range(n - 1))
                 trace.choice.update(kind="lookup", nodes=n, tokens=1 + gained,

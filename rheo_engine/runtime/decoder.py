@@ -699,16 +699,15 @@ class BatchDecoder:
         emitted = row.emitted[0]
         s.lookup.extend(emitted)
         cands, s.cands = s.cands, None
-        if cfg.method == "ar":
-            if cands:  # what the lookup drafts would have done (spec.lookup.shadow_events)
-                s.lookup_stats.observe(shadow_events(cands, emitted))
+        if cfg.method == "ar":  # what the lookup drafts would have done (shadow_events)
+            s.lookup_stats.observe(shadow_events(cands, emitted))
             return row
         n, path = row.accept_len[0], row.accept_path[0]
         accepted = s.request.accepted
         source = {"alone": "lookup", "": "head"}.get(lookup)
         if source is not None:  # one source's tree
-            s.lookup_stats.observe(step_events(cands, row) if lookup else
-                                   shadow_events(cands, emitted) if cands else [])  # fmt: skip
+            s.lookup_stats.observe(step_events(cands, row) if lookup
+                                   else shadow_events(cands, emitted))  # fmt: skip
             accepted[source] = accepted.get(source, 0) + n - 1
             return row
         s.lookup_stats.observe(step_events(cands, row))

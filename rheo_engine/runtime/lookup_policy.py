@@ -166,10 +166,11 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
         node = math.exp(cands.scores[usable[n - 2]])
         # No larger tree can win: each further node adds at most this one's estimate (they
         # are ranked) and costs no less than n rows (the costs are monotone). An exact cut.
-        if (1.0 + gained + (limit - n + 1) * node) / costs.cost(n) <= best_rate:
+        cost = costs.cost(n)
+        if (1.0 + gained + (limit - n + 1) * node) / cost <= best_rate:
             break
         gained += node
-        rate = (1.0 + gained) / costs.cost(n)
+        rate = (1.0 + gained) / cost
         if rate > best_rate:
             best_rate, best_n = rate, n
     if best_n == 1:

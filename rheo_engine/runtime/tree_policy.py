@@ -544,7 +544,7 @@ class AutoTree:
     # A probe that did not pay for itself (tokens per second below a plain step's, as
     # predicted) doubles the gap to the next, up to PROBE_GAP_MAX: on the default pair at
     # T = 1 (2-core EPYC, AVX2) requests of 128 tokens ran ~4 probes each, every one a loss
-    # (BENCHMARKS.md, "Probes at T = 1: the backlog priced, the gap doubled").
+    # (BENCHMARKS.md, "Issue 39: probes and lookup evidence at T = 1").
     PROBE_GAP_MAX = 256
     # After a step found that no tree beats a plain step, the next RECHECK - 1 plain steps do
     # not search again: with no new evidence the answer does not move, and the search
