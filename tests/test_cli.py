@@ -649,7 +649,8 @@ def test_measurements_are_shown(monkeypatch, tmp_path):
     progress.set_display(spy)
     try:
         engine = Engine.from_pretrained(TARGET, DRAFT, threads=1)
-        engine.generate("def f(x):", 4, temperature=0, drafts="both")
+        engine.generate("def f(x):", 4, temperature=0, drafts="both")  # (lookup: from its costs)
+        engine.generate("def f(x):", 4, temperature=0, drafts="lookup")
     finally:
         progress.set_display(None)
     assert any("step costs" in w for w in seen) and any("lookup" in w for w in seen), seen

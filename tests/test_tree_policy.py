@@ -231,10 +231,13 @@ def test_auto_tree_with_a_saved_profile_reproduces_a_seed(tiny, tmp_path):
 def test_measured_profile_is_kept_per_machine_and_reused_by_a_new_engine(
     tiny, tmp_path, monkeypatch
 ):
-    """A seeded auto-tree run reproduces in a fresh engine (a new process on this machine):
-    the profile measured by the first is kept on disk and read by the second, so the trees and
-    the coins are the same. RHEO_CACHE_DIR=off keeps profiles in memory only."""
+    """RHEO_COSTS=measure (as on CUDA): a seeded auto-tree run reproduces in a fresh engine (a
+    new process on this machine): the profile measured by the first is kept on disk and read
+    by the second, so the trees and the coins are the same. RHEO_CACHE_DIR=off keeps profiles
+    in memory only."""
     from rheo_engine.runtime.engine import Engine
+
+    monkeypatch.setenv("RHEO_COSTS", "measure")
 
     SMALL = dict(topk=4, depth=3, total_tokens=8)  # a tree the tiny target's context measures
 
@@ -398,6 +401,7 @@ def test_calibration_scales_each_size_by_its_real_steps():
 
 def test_calibrated_profile_is_what_the_engine_keeps(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RHEO_COSTS", "measure")  # measured in full (as on CUDA)
     monkeypatch.setattr(CostProfile, "doubts", lambda self: [])  # (as above: a busy machine)
     engine = Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
     engine.generate(PROMPT, 8, temperature=1.0, seed=1, topk=4, depth=3, total_tokens=8)
@@ -496,8 +500,9 @@ def test_a_kept_profile_contradicted_by_real_steps_is_flagged():
 
 
 def test_the_engine_measures_again_a_profile_in_doubt_or_contradicted(tiny, tmp_path, monkeypatch):
-    """A measured profile in doubt is measured once more and not kept; a kept profile that the
-    first real steps contradict is measured again, and the new one is kept."""
+    """RHEO_COSTS=measure: a measured profile in doubt is measured once more and not kept; a
+    kept profile that the first real steps contradict is measured again, and the new one is
+    kept."""
     from rheo_engine.runtime.decoder import BatchDecoder
 
     SMALL = dict(topk=4, depth=3, total_tokens=8, drafts="head")  # (the head's policy observes)
@@ -513,6 +518,7 @@ def test_the_engine_measures_again_a_profile_in_doubt_or_contradicted(tiny, tmp_
 
     monkeypatch.setattr(BatchDecoder, "_measure", counted)
     monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RHEO_COSTS", "measure")  # measured in full (as on CUDA)
     monkeypatch.setattr(CostProfile, "doubts", lambda self: ["in doubt"])
     new_engine().generate(PROMPT, 12, temperature=1.0, seed=3, **SMALL)
     assert len(measures) == 2 and not list((tmp_path / "cache").glob("profiles/*.json"))
@@ -525,3 +531,170 @@ def test_the_engine_measures_again_a_profile_in_doubt_or_contradicted(tiny, tmp_
     gen = new_engine().generate(PROMPT, 30, temperature=1.0, seed=3, ignore_eos=True, **SMALL)
     assert gen.steps > 1 + AutoTree.CHECK_STEPS, gen.trees.histogram()
     assert len(measures) == 1 and gen.measure_s > 0 and len(gen.token_ids) == 30
+
+
+# --- the CPU's first profile: estimated in a few forwards, learned from the real steps -----------
+
+
+def test_estimate_profile_times_each_part_once_at_two_sizes():
+    """estimate_profile: one untimed draft, then each part once: forwards and verifications at
+    1 and 4 nodes, a depth-1 draft and a depth-3 draft per width; what each took is what the
+    profile holds, and trees past 4 nodes cost the slope between the two sizes."""
+    import time
+
+    from rheo_engine.runtime.tree_policy import estimate_profile
+
+    calls = []
+
+    class Tree:
+        def __init__(self, n):
+            self.tree, self.n = n, n
+
+    def forward_tree(n):
+        calls.append(("forward", n))
+        time.sleep(0.004 if n == 1 else 0.010)
+        return n
+
+    def draft(depth, n, k):
+        calls.append(("draft", depth, n, k))
+        if n > 1:
+            time.sleep(0.001 + depth * 0.0005 * k)
+        return Tree(n)
+
+    def verify(logits, tree):
+        calls.append(("verify", tree.n))
+
+    prof = estimate_profile("toy", forward_tree, draft, verify, max_nodes=60, max_depth=8,
+                            topks=(2, 4, 10))  # fmt: skip
+    assert calls == [("draft", 1, 1, 10), ("draft", 2, 4, 10), ("draft", 3, 4, 10),
+                     ("draft", 1, 4, 10), ("draft", 3, 4, 2), ("draft", 3, 4, 4),
+                     ("forward", 1), ("forward", 4), ("verify", 1), ("verify", 4)]  # fmt: skip
+    assert sorted(prof.target_s) == [1, 4] and prof.step_scale == {}
+    assert 0.004 <= prof.target_s[1] < prof.target_s[4] and prof.target_s[4] >= 0.010
+    slope = (prof.target_s[4] - prof.target_s[1]) / 3
+    assert prof.target(16) == pytest.approx(prof.target_s[4] + 12 * slope)
+    assert prof.draft_base_s >= 0.001 + 0.005  # depth 1 at width 10
+    # a level at width k: ~0.5 ms * k (sleeps only ever run long: lower bounds, and the order)
+    assert prof.level_s[2] < prof.level_s[4] < prof.level_s[10] and prof.level_s[10] >= 0.004
+
+
+def learner_estimate() -> CostProfile:
+    return CostProfile("toy", {1: 1.0, 4: 2.0}, 0.1, {2: 0.1, 10: 0.2}, {1: 0.0, 4: 0.0})
+
+
+def test_cost_learner_refines_forwards_drafting_and_calibration():
+    """Real steps' times replace the estimate where they ran and scale it where they did not:
+    forwards 1.5x the estimate at 1 and 4 rows make every size 1.5x; drafting twice its
+    estimate doubles the draft costs; what the steps took beyond their parts is the
+    calibration, clamped past the largest size that ran."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    learner = CostLearner(learner_estimate())
+    for _ in range(CostLearner.MIN_SAMPLES):
+        learner.observe("plain", 1, 1.5, 1.65)
+        # a depth-2 tree of 4 nodes at width 10: drafting 2 x (0.1 + 2 * 0.2), forward 1.5 x 2
+        learner.observe("head", 4, 3.0, 1.1 * (1.0 + 3.0), (2, 4, 10, 1), drafting_s=1.0)
+    prof = learner._refined()  # (what the next refresh makes: test_cost_learner_refreshes...)
+    assert prof.target(1) == pytest.approx(1.5) and prof.target(4) == pytest.approx(3.0)
+    assert prof.target(8) == pytest.approx(1.5 * (2.0 + 4 * (1.0 / 3)))  # the slope, scaled
+    assert prof.target(90) == pytest.approx(1.5 * (2.0 + 86 * (1.0 / 3)))
+    assert prof.draft_base_s == pytest.approx(0.2) and prof.level_s[10] == pytest.approx(0.4)
+    assert prof.step_scale == pytest.approx({1: 1.1, 4: 1.1})
+    assert prof.scale(60) == pytest.approx(1.1)  # the nearest calibrated size's
+    assert learner.estimate.target(1) == 1.0  # the estimate itself is kept as it was
+    # A tree with lookup nodes merged says what its forward costs, not its step or drafting;
+    # a size counts from its MIN_SAMPLES-th sample (a first forward can run long).
+    for count in range(1, CostLearner.MIN_SAMPLES + 1):
+        learner.observe("merged", 6, 4.5, 99.0, (2, 4, 10, 1), drafting_s=9.0)
+        refined = learner._refined()
+        assert (refined.target(6) == 4.5) == (count == CostLearner.MIN_SAMPLES)
+    assert refined.step_scale == pytest.approx({1: 1.1, 4: 1.1})
+    assert refined.draft_base_s == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="kind='tree' is not one of"):
+        learner.observe("tree", 1, 1.0, 1.0)
+
+
+def test_lookup_steps_are_priced_from_the_learned_profile():
+    """costs_from_profile on a learned profile: the seconds of the plain and lookup steps that
+    ran; other sizes the forward plus verification and the median excess of the lookup trees
+    that ran (building the tree costs them all alike)."""
+    from rheo_engine.runtime.lookup_policy import costs_from_profile
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    learner = CostLearner(learner_estimate())
+    for _ in range(CostLearner.MIN_SAMPLES):
+        learner.observe("plain", 1, 1.0, 1.2)
+        learner.observe("lookup", 2, 1.0 + 1 / 3, 1.9)
+    prof = learner._refined()
+    assert prof.lookup_s == pytest.approx({1: 1.2, 2: 1.9})
+    costs = costs_from_profile(prof, pinned=False)
+    assert not costs.pinned
+    excess = 1.9 - (1.0 + 1 / 3)
+    assert costs.cost(1) == pytest.approx(1.2) and costs.cost(2) == pytest.approx(1.9)
+    assert costs.cost(4) == pytest.approx(2.0 + excess)
+    # a profile with no learned steps: the forward and verification alone, as before
+    bare = costs_from_profile(learner_estimate())
+    assert bare.pinned and bare.cost(4) == pytest.approx(2.0)
+
+
+def test_cost_learner_refreshes_every_few_steps_and_is_done_after_enough_trees(monkeypatch):
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    monkeypatch.setattr(CostLearner, "STEPS", 8)
+    learner = CostLearner(learner_estimate())
+    made = [learner.observe("plain", 1, 1.0, 1.0) is not None for _ in range(12)]
+    # the first two steps, then every EVERY-th
+    assert made == [True, True, False, False, False, True, False, False, False, True, False,
+                    False]  # fmt: skip
+    assert not learner.done  # plain steps only: the drafting is not learned yet
+    for _ in range(CostLearner.TREES):
+        assert not learner.done
+        learner.observe("head", 4, 2.0, 2.5, (2, 4, 10, 1), drafting_s=0.5)
+    assert learner.done
+    plain_only = CostLearner(learner_estimate())
+    for _ in range(CostLearner.MAX_STEPS):
+        plain_only.observe("plain", 1, 1.0, 1.0)
+    assert plain_only.done  # where trees seldom run, it ends anyway
+
+
+def test_the_cpu_engine_estimates_then_learns_and_keeps_the_profile(tiny, tmp_path, monkeypatch):
+    """On one CPU process the first request measures only the estimate (no measured profile,
+    no calibration, no lookup measurement: lookup prices its steps from the head's profile);
+    its steps refine it, and once learned it is kept: a new engine reads it and measures
+    nothing, and two new engines reproduce a seed with each other."""
+    from rheo_engine.runtime.decoder import BatchDecoder
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
+    monkeypatch.setattr(CostLearner, "STEPS", 6)
+    monkeypatch.setattr(CostLearner, "TREES", 0)  # done after 6 steps, trees or not
+    ran = []
+    for name in ("_calibrate", "_measure_lookup"):
+        monkeypatch.setattr(BatchDecoder, name, lambda *a, _n=name: ran.append(_n))
+    SMALL = dict(topk=4, depth=3, total_tokens=8, ignore_eos=True)
+
+    def new_engine() -> Engine:
+        return Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+
+    first_engine = new_engine()
+    first = first_engine.generate(PROMPT, 12, temperature=1.0, seed=5, **SMALL)
+    assert ran == [] and 0 < first.measure_s and first.steps >= 6
+    assert first_engine.cost_learners == {}  # learned
+    (kept,) = (tmp_path / "cache").glob("profiles/*.json")
+    learned = CostProfile.load(kept)
+    assert 1 in learned.step_scale and learned.key in first_engine.cost_profiles
+    assert first_engine.cost_profiles[learned.key] == learned
+    runs = []
+    for _ in range(2):
+        engine = new_engine()
+        runs.append(engine.generate(PROMPT, 16, temperature=1.0, seed=9, **SMALL))
+        assert engine.cost_learners == {} and runs[-1].measure_s == 0
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].trees.shapes == runs[1].trees.shapes
+
+
+def test_rheo_costs_setting_is_checked(tiny, monkeypatch):
+    monkeypatch.setenv("RHEO_COSTS", "fast")
+    with pytest.raises(ValueError, match=r"RHEO_COSTS='fast' must be 'learn' .* or 'measure'"):
+        tiny.generate(PROMPT, 4)

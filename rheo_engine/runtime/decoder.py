@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,10 +58,12 @@ from rheo_engine.runtime.progress import waits
 from rheo_engine.runtime.request import Request
 from rheo_engine.runtime.tree_policy import (
     AutoTree,
+    CostLearner,
     CostProfile,
     FixedTree,
     cached_profile,
     calibrate_profile,
+    estimate_profile,
     keep_profile,
     measure_profile,
     profile_key,
@@ -82,7 +85,18 @@ from rheo_engine.spec.lookup import (
 from rheo_engine.spec.step import Draw, StepResult, max_tree_size, speculative_step
 from rheo_engine.spec.verify import Outcome, emitted_logprobs, verify_tree
 
-__all__ = ["BatchDecoder", "SeqState", "TreeGroup"]
+__all__ = ["BatchDecoder", "SeqState", "TreeGroup", "costs_setting"]
+
+
+def costs_setting() -> str:
+    """$RHEO_COSTS: "learn" (the default: on one CPU process, the auto tree's step costs are
+    estimated in a few forwards and learned from the real steps) or "measure" (measured in
+    full before the first tree, as on CUDA and under tensor parallelism)."""
+    value = os.environ.get("RHEO_COSTS") or "learn"
+    if value not in ("learn", "measure"):
+        raise ValueError(f"RHEO_COSTS={value!r} must be 'learn' (estimate, then learn from the "
+                         "real steps) or 'measure' (measure in full first); unset it for 'learn'")
+    return value
 
 
 @dataclass(frozen=True)
@@ -203,6 +217,7 @@ class BatchDecoder:
         profiles: dict[str, CostProfile] | None = None,
         tp: TPGroup | None = None,
         graphs: str | bool | None = None,
+        learners: dict[str, CostLearner] | None = None,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
@@ -213,11 +228,13 @@ class BatchDecoder:
         self.target, self.head = target, head
         self.max_batch, self.max_len = max_batch, min(max_len, context)
         self.profiles = {} if profiles is None else profiles
+        self.learners = {} if learners is None else learners  # profiles still learning
         self.pool = target.new_pool(self.max_len, max_batch)
         self.drafter = None if head is None else Eagle3Drafter(head, self.max_len, max_batch)
         self.status = kernels.status_word(target.device)
         self._weights = target.quantized_kinds()  # for the cost keys (a walk over every matrix)
         self._lookup_cost_of: tuple[int, StepCosts] | None = None  # (threads, _lookup_costs)
+        self._derived: tuple[CostProfile, StepCosts] | None = None  # _lookup_costs from a profile
         # The target's tree forwards on static buffers, captured as CUDA graphs (graphs.py).
         self.static = StaticTarget(target, self.pool) if graphs_enabled(target.device, graphs) \
             else None  # fmt: skip
@@ -233,6 +250,11 @@ class BatchDecoder:
         self.tp = tp
         # Rank 0 of a tensor-parallel group tells the others what this decoder does.
         self._leads = tp is not None and tp.leader
+        # On one CPU process a first profile is estimated in a few forwards and learned from
+        # the real steps (tree_policy.CostLearner); elsewhere, or with RHEO_COSTS=measure, it
+        # is measured before the first tree: a CUDA step's parts are not timed apart without
+        # syncs, and ranks must decide alike.
+        self._learns = tp is None and target.device.type == "cpu" and costs_setting() == "learn"
         self.id = tp.new_id() if self._leads else None
         with self._op():
             self._tell("open", max_batch=max_batch, max_len=self.max_len, head=head is not None)
@@ -581,6 +603,13 @@ class BatchDecoder:
         pinned = seq.request.cost_profile
         if isinstance(pinned, CostProfile):
             return costs_from_profile(pinned)
+        policy = self._policies.get(seq.group)
+        if self._learns and isinstance(policy, AutoTree):
+            # One CPU process: the head's profile prices target steps too (its forwards as the
+            # real steps refine them), rather than lookup measuring them again.
+            if self._derived is None or self._derived[0] is not policy.profile:
+                self._derived = (policy.profile, costs_from_profile(policy.profile, False))
+            return self._derived[1]
         threads = torch.get_num_threads()
         if self._lookup_cost_of is not None and self._lookup_cost_of[0] == threads:
             return self._lookup_cost_of[1]  # every step but the first (the key has the threads)
@@ -593,7 +622,8 @@ class BatchDecoder:
             self._tell("measure-lookup", slot=seq.slot, key=key)
             costs = self._measure_lookup(seq, key)
             seq.request.measure_s += time.perf_counter() - start
-            keep_costs(costs)
+            if not self._learns:  # an estimate (_measure_lookup) is not kept
+                keep_costs(costs)
         self.profiles[key] = costs
         self._lookup_cost_of = (threads, costs)
         return costs
@@ -617,10 +647,14 @@ class BatchDecoder:
                         probe_step)  # fmt: skip
 
         with torch.no_grad():
+            most = min(request.tree_cfg.total_tokens, free)
+            if self._learns:  # one CPU process: one round at two sizes, as the head's estimate
+                return measure_costs(key, run_step, most, repeats=1, budget_s=0.0,
+                                     sizes=tuple(sorted({1, min(most, 8)})))  # fmt: skip
             # A fixed number of rounds under tensor parallelism: every rank runs the same ones.
             budget = 0.0 if self.tp is not None else 4.0
-            return measure_costs(key, run_step, min(request.tree_cfg.total_tokens, free),
-                                 repeats=3 if self.tp is not None else 5, budget_s=budget)  # fmt: skip
+            return measure_costs(key, run_step, most, repeats=3 if self.tp is not None else 5,
+                                 budget_s=budget)  # fmt: skip
 
     @torch.no_grad()
     def _step(self, seqs: list[SeqState], cfg: TreeConfig, policy, lookup: str = "",
@@ -655,6 +689,8 @@ class BatchDecoder:
             group.drafts and group.source != "lookup", drafted, merge,
         )  # fmt: skip
         seconds = time.perf_counter() - start
+        if self.learners:
+            self._learn(seqs, cfg, lookup, result, seconds)
         predicted = getattr(policy, "predicted_s", None)
         head_drafted = group.drafts and group.source != "lookup" and cfg.method != "ar" and (
             lookup != "alone")  # fmt: skip
@@ -688,6 +724,39 @@ class BatchDecoder:
             s.queued = 0 if head_drafted else s.queued + len(emitted)
             out.append((s, emitted, logprobs))
         return out
+
+    def _learn(self, seqs: list[SeqState], cfg: TreeConfig, lookup: str, result: StepResult,
+               seconds: float) -> None:  # fmt: skip
+        """A step's times to the profile its group's auto tree learns (tree_policy.CostLearner):
+        its kind (plain; the head's tree alone; a lookup tree alone; merged: ``lookup`` as in
+        _step), its target forward over its rows, its whole time, and a head tree's drafting,
+        both less the head's pass over the pairs that waited for it (priced apart:
+        AutoTree.waiting_s). The refined profile goes to every auto tree that learns with it; a
+        learned one is kept for later processes."""
+        policy = self._policies.get(seqs[0].group)
+        learner = self.learners.get(policy.profile.key) if isinstance(policy, AutoTree) else None
+        if learner is None:
+            return
+        batch = len(seqs)
+        plain = cfg.method == "ar" or cfg.total_tokens == 1
+        kind = "plain" if plain else {"": "head", "alone": "lookup"}.get(lookup, "merged")
+        shape = (cfg.depth, cfg.total_tokens, cfg.topk, batch)
+        drafting = 0.0
+        if kind == "head":
+            backlog = learner.profile.waiting_s(self._waiting(seqs) * batch)
+            seconds -= backlog
+            drafting = (result.times.tree_s - backlog) / batch
+        rows = result.draft.tree.tokens.numel()
+        refined = learner.observe(kind, rows, result.times.target_s, seconds, shape, drafting)
+        if refined is None:
+            return
+        key = refined.key
+        self.profiles[key] = refined
+        for other in self._policies.values():
+            if isinstance(other, AutoTree) and other.learns and other.profile.key == key:
+                other.reprice(refined)
+        if learner.done and self.learners.pop(key, None) is learner:  # (callers in threads)
+            keep_profile(refined)  # unless in doubt (CostProfile.doubts)
 
     def _observe_lookup(self, s: SeqState, dt: DraftTree, row: Outcome, cfg: TreeConfig,
                         lookup: str) -> Outcome:  # fmt: skip
@@ -809,9 +878,21 @@ class BatchDecoder:
                 keep_profile(profile)  # and in the next process on this machine, unless in doubt
             return profile
 
+        @waits("estimating this machine's step costs (once per model, dtype, threads, T = 0/> 0)")
+        def estimated(key: str) -> CostProfile:
+            start = time.perf_counter()
+            profile = self._measure(seq, key, estimate_profile)
+            request.measure_s += time.perf_counter() - start
+            self.learners[key] = CostLearner(profile)  # refined by the steps (_learn)
+            self.profiles[key] = profile
+            return profile
+
+        first = estimated if self._learns and not isinstance(request.cost_profile, (str, Path)) \
+            else measured  # fmt: skip
         policy = self._policies.get(seq.group)
         if isinstance(policy, AutoTree) and policy.contradicted:
-            policy.use_profile(measured(policy.profile.key))  # its evidence is kept
+            policy.use_profile(first(policy.profile.key))  # its evidence is kept
+            policy.learns = policy.profile.key in self.learners
         if policy is not None:
             return policy
         if request.tree == "fixed":
@@ -832,21 +913,24 @@ class BatchDecoder:
                     )
             else:
                 profile = self.profiles.get(key) or cached_profile(key)
-            kept = profile is not None and not isinstance(request.cost_profile, CostProfile)
+            kept = profile is not None and not isinstance(request.cost_profile, CostProfile) \
+                and key not in self.learners  # a profile learning here is not checked
             if profile is None:
-                profile = measured(key)
+                profile = first(key)
             elif kept:
                 self.profiles.setdefault(key, profile)
             if isinstance(request.cost_profile, (str, Path)):  # a path not there yet
                 profile.save(request.cost_profile)
             # A kept profile is checked against the first real steps; a pinned one is not.
             policy = AutoTree(cfg, profile, check=kept)
+            policy.learns = key in self.learners and profile is self.profiles.get(key)
         self._policies[seq.group] = policy
         return policy
 
-    def _measure(self, seq: SeqState, key: str) -> CostProfile:
+    def _measure(self, seq: SeqState, key: str, how=measure_profile) -> CostProfile:
         """Time target forwards, draft levels and verification on this sequence's own state
-        (its slot's committed rows and head pairs; the trees are run and never committed)."""
+        (its slot's committed rows and head pairs; the trees are run and never committed):
+        ``how`` is tree_policy.measure_profile, or estimate_profile (a few forwards)."""
         request, cfg, head = seq.request, seq.request.tree_cfg, self.head
         view = self.pool.batch([seq.slot])
         target = _SlotTarget(self.target, view, head.feature_layers, self.static)
@@ -880,7 +964,7 @@ class BatchDecoder:
 
         free = self.max_len - self.pool.lengths[seq.slot]
         with torch.no_grad():
-            return measure_profile(
+            return how(
                 key, lambda tree: target.forward_tree(tree)[0], draft, verify,
                 max_nodes=min(cfg.total_tokens, free), max_depth=cfg.depth,
                 topks=topk_choices(cfg),

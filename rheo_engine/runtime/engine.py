@@ -31,7 +31,7 @@ from rheo_engine.runtime.decoder import BatchDecoder, solo_rows
 from rheo_engine.runtime.pairs import WEIGHTS, resolve_pair
 from rheo_engine.runtime.request import TREES, Generation, Request, RequestContext
 from rheo_engine.runtime.scheduler import Scheduler
-from rheo_engine.runtime.tree_policy import CostProfile
+from rheo_engine.runtime.tree_policy import CostLearner, CostProfile
 from rheo_engine.spec import kernels
 
 __all__ = ["DEFAULT_PAIR", "TREES", "Engine", "Generation", "Request"]
@@ -104,6 +104,8 @@ class Engine:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys((*tokenizer.eos_ids, *extra)))
         # Cost profiles measured by this engine's requests, by profile_key (tree_policy).
         self.cost_profiles: dict[str, CostProfile] = {}
+        # Those still learning from real steps (tree_policy.CostLearner), by the same key.
+        self.cost_learners: dict[str, CostLearner] = {}
         # The CPU threads of every call (per rank; engine_threads), or None: the caller's.
         self.threads: int | None = threads
         self.pair: str | None = None  # the named pair it was loaded as (from_pretrained)
@@ -250,14 +252,14 @@ class Engine:
         target's tree forwards on static buffers, captured on CUDA (default $RHEO_GRAPHS, "auto":
         on CUDA only; runtime/graphs.py)."""
         return BatchDecoder(self.target, self.head, max_batch, max_len, self.cost_profiles,
-                            self.tp, graphs)  # fmt: skip
+                            self.tp, graphs, self.cost_learners)  # fmt: skip
 
     def _run_alone(self, request: Request):
         """Iterate a request on a decoder of one slot sized for it (prompt + max_new_tokens +
         one tree): the step function every other entry point runs."""
         head = self.head if request.drafts else None
         decoder = BatchDecoder(self.target, head, 1, solo_rows(request), self.cost_profiles,
-                               self.tp)  # fmt: skip
+                               self.tp, learners=self.cost_learners)  # fmt: skip
         steps = decoder.run_one(request)
         try:
             while True:  # the engine's threads for each step, the caller's between steps
@@ -311,8 +313,11 @@ class Engine:
         step's tree (depth <= depth, nodes <= total_tokens, topk as given) or a plain step when
         no tree pays; ``tree="fixed"`` drafts exactly topk/depth/total_tokens every step (the
         paper's setting). ``cost_profile`` is a CostProfile, or a JSON path: read if it exists,
-        else measured and written there; without one the engine measures once per (model,
-        device, dtype, threads) and keeps it. A seeded run reproduces given the same profile.
+        else measured and written there; without one the engine makes a profile once per
+        (model, device, dtype, threads) and keeps it: on one CPU process estimated in a few
+        forwards and learned from the first real steps, elsewhere measured first
+        (docs/tree_policy.md §4). A seeded run reproduces given the same profile (not while
+        the first steps on a new machine learn it).
 
         ``seed`` is an int in [0, 2**64); None or -1 draws a fresh one (Generation.seed says
         which). ``total_tokens=1`` (a tree of the root alone) is a plain autoregressive run

@@ -84,17 +84,21 @@ def monotone(values: dict[int, float]) -> dict[int, float]:
 
 
 def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
-                  budget_s: float = 4.0) -> StepCosts:  # fmt: skip
+                  budget_s: float = 4.0, sizes: tuple[int, ...] = SIZES) -> StepCosts:  # fmt: skip
     """Time ``run_step(n)`` (one target forward over n rows plus its verification, nothing
-    committed) at SIZES <= max_nodes: rounds over all sizes, interleaved, until ``repeats``
-    rounds or ``budget_s`` seconds (at least 2 rounds), then the fastest per size, fit
-    monotone; ``spread`` is the worst median / fastest."""
+    committed) at ``sizes`` <= max_nodes: rounds over all sizes, interleaved, until ``repeats``
+    rounds or ``budget_s`` seconds (at least min(2, repeats) rounds; a warm-up first when
+    more than one), then the fastest per size, fit monotone; ``spread`` is the worst median /
+    fastest. One round at two sizes is the CPU's estimate, which each sequence's own steps
+    then correct (LocalCosts)."""
     start = time.perf_counter()
-    sizes = [n for n in SIZES if n <= max(1, max_nodes)]
-    run_step(sizes[-1])  # warm-up: allocations, caches
+    sizes = [n for n in sizes if n <= max(1, max_nodes)]
+    if repeats > 1:
+        run_step(sizes[-1])  # warm-up: allocations, caches
     times: dict[int, list[float]] = {n: [] for n in sizes}
     rounds = 0
-    while rounds < repeats and (rounds < 2 or time.perf_counter() - start < budget_s):
+    while rounds < repeats and (rounds < min(2, repeats)
+                                or time.perf_counter() - start < budget_s):  # fmt: skip
         for n in sizes:
             t0 = time.perf_counter()
             run_step(n)
@@ -107,14 +111,26 @@ def measure_costs(key: str, run_step, max_nodes: int, repeats: int = 5,
     return StepCosts(key, monotone(fastest), spread, time.perf_counter() - start)
 
 
-def costs_from_profile(profile) -> StepCosts:
+def costs_from_profile(profile, pinned: bool = True) -> StepCosts:
     """The step costs a head's CostProfile (tree_policy) implies: a target forward over n rows
-    plus a verification of n nodes, pinned (a request that brings a profile reproduces its
-    trees)."""
+    plus a verification of n nodes, and where the profile learned real steps (lookup_s, from
+    tree_policy.CostLearner) their seconds, elsewhere the sum plus what real steps took beyond
+    it (a plain step's excess at n = 1; a lookup tree's, the median over the sizes that ran,
+    at n > 1: building the tree, its verification's bookkeeping). ``pinned`` for a request's
+    own profile (which then reproduces its trees), not for the one the decoder learns (which
+    each sequence's steps correct further: LocalCosts)."""
     sizes = sorted(set(SIZES) | set(profile.target_s))
     verify = running_max(profile.verify_s) if profile.verify_s else None
-    steps = {n: profile.target(n) + (extrapolated(verify, n) if verify else 0.0) for n in sizes}
-    return StepCosts(f"from {profile.key}", monotone(steps), pinned=True)
+
+    def parts(n: int) -> float:
+        return profile.target(n) + (extrapolated(verify, n) if verify else 0.0)
+
+    seen = getattr(profile, "lookup_s", {})
+    plain = seen[1] - parts(1) if 1 in seen else 0.0
+    trees = [seen[n] - parts(n) for n in seen if n > 1]
+    tree = statistics.median(trees) if trees else plain
+    steps = {n: seen.get(n, parts(n) + (plain if n == 1 else tree)) for n in sizes}
+    return StepCosts(f"from {profile.key}", monotone(steps), pinned=pinned)
 
 
 def cached_costs(key: str) -> StepCosts | None:

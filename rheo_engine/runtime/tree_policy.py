@@ -11,15 +11,17 @@ over depths D <= the configured depth and sizes N <= total_tokens (topk stays th
 one: a level's cost is nearly flat in its rows on the pairs measured, see BENCHMARKS.md), and
 takes a plain step when no tree beats it.
 
-- Costs: a ``CostProfile`` measured once per (model, device, dtype, threads, method family) on
-  the running machine (target forwards of n tree nodes, draft levels, verification, in
-  interleaved rounds until their spread is small; then real steps of a few shapes calibrate
-  it), cached by the engine for the process and on disk per machine (rheo_engine.machine),
-  savable and loadable as JSON. Predictions read it physically consistent (non-decreasing in
-  the tree size, no tree below a plain step); a profile in doubt (calibration factors that
-  disagree, a tree measured below a plain step) is measured again and never kept, and a kept
-  one that the first real steps contradict is measured again. Otherwise it is frozen while
-  requests run, so a request's trees depend on its profile, its seed and its prompt only.
+- Costs: a ``CostProfile`` made once per (model, device, dtype, threads, method family) on
+  the running machine: target forwards of n tree nodes, draft levels, verification. On one
+  CPU process each part is timed once (estimate_profile) and the real steps refine it
+  (CostLearner) until it is final; elsewhere (measure_profile) in interleaved rounds until
+  their spread is small, then real steps of a few shapes calibrate it. Cached by the engine
+  for the process and on disk per machine (rheo_engine.machine), savable and loadable as
+  JSON. Predictions read it physically consistent (non-decreasing in the tree size, no tree
+  below a plain step); a profile in doubt (calibration factors that disagree, a tree measured
+  below a plain step) is never kept, and a kept one that the first real steps contradict is
+  made again. Otherwise it is frozen while requests run, so a request's trees depend on its
+  profile, its seed and its prompt only.
 - Acceptance: every tree's nodes 1..N-1 are in prune rank order (proxy_rerank.h), so a past
   step also says what any smaller tree would have accepted: the top-(N'-1) nodes of depth
   <= D' are its first N'-1 nodes of depth <= D' (levels are grown identically and pruning keeps
@@ -43,6 +45,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -152,10 +155,19 @@ class CostProfile:
     # What was timed -> the worst relative spread (interquartile range / median) of its
     # repeated, interleaved timings: "target" (forwards per size), "calibration" (real steps).
     spread: dict[str, float] = field(default_factory=dict)
+    # Learned from real steps (CostLearner): seconds of a plain step (n = 1) and of a step of
+    # n prompt-lookup nodes alone, for lookup_policy.costs_from_profile.
+    lookup_s: dict[int, float] = field(default_factory=dict)
 
     def scale(self, n):
-        """The calibration factor at n nodes (1 where there is none)."""
-        return extrapolated(self.step_scale, n) if self.step_scale else 1.0
+        """The calibration factor at n nodes (1 where there is none): linear between the sizes
+        calibrated, the nearest one's beyond them (a learned profile calibrates the sizes its
+        steps ran: CostLearner)."""
+        if not self.step_scale:
+            return 1.0
+        sizes = sorted(self.step_scale)
+        out = np.interp(n, sizes, [self.step_scale[k] for k in sizes])
+        return float(out) if np.ndim(out) == 0 else out
 
     def target(self, n):
         """Target forward seconds at n nodes: piecewise linear in the measured sizes, made
@@ -240,6 +252,7 @@ class CostProfile:
                 measure_s=float(raw.get("measure_s", 0.0)),
                 step_scale=table("step_scale") if "step_scale" in raw else {},
                 spread={str(k): float(v) for k, v in raw.get("spread", {}).items()},
+                lookup_s=table("lookup_s") if "lookup_s" in raw else {},
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(
@@ -392,6 +405,159 @@ def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_d
     )  # fmt: skip
 
 
+def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int,
+                     topks: tuple[int, ...]) -> CostProfile:  # fmt: skip
+    """A first profile in a few forwards, for CostLearner to refine from the real steps
+    (docs/tree_policy.md §4): each part timed once, at two sizes: a target forward and a
+    verification over 1 node and over ``small`` (4, or max_nodes when fewer), a depth-1 draft
+    and one depth-``deep`` draft per width, after one untimed draft (it runs the head over the
+    prompt's pairs, which the first tree would run anyway, and warms its expansion). Larger
+    trees cost what the slope between the two sizes says; nothing is calibrated."""
+    start = time.perf_counter()
+    widest = max(topks)
+    small = min(max_nodes, 4)
+    deep = min(max_depth, small - 1, 3)
+    sizes = sorted({1, small})
+    draft_s: dict[tuple[int, int], float] = {}
+
+    def timed_draft(depth: int, k: int):
+        begun = time.perf_counter()
+        tree = draft(depth, small, k)
+        draft_s[depth, k] = time.perf_counter() - begun
+        return tree
+
+    trees = {1: draft(1, 1, widest)}
+    if small > 1:
+        # Untimed: the head's pass over the prompt's pairs (which the first tree would run) and
+        # a first expansion (weights stacked on first use).
+        draft(min(2, max(1, deep)), small, widest)
+        trees[small] = timed_draft(max(1, deep), widest)
+        timed_draft(1, widest)
+        for k in topks if deep > 1 else ():
+            if k != widest:
+                timed_draft(deep, k)
+    target_s, verify_s, logits = {}, {}, {}
+    for n in sizes:
+        begun = time.perf_counter()
+        logits[n] = forward_tree(trees[n].tree)
+        target_s[n] = time.perf_counter() - begun
+    for n in sizes:
+        verify_s[n] = _timed(lambda n=n: verify(logits[n], trees[n]))
+    draft_base = draft_s.get((1, widest), 0.0)
+    level_s = {k: 0.0 for k in topks}
+    for k in topks if small > 1 and deep > 1 else ():
+        level_s[k] = max(0.0, (draft_s[deep, k] - draft_base) / (deep - 1))
+    return CostProfile(key, target_s, draft_base, level_s, verify_s,
+                       time.perf_counter() - start)  # fmt: skip
+
+
+class CostLearner:
+    """A profile refined by the real steps that follow it (docs/tree_policy.md §4): the CPU's
+    first profile is an estimate (estimate_profile), and each real step says what its target
+    forward over its rows took (StepTimes.target_s: exact on a CPU, whose operators run
+    synchronously) and what the whole step took. Each figure below is the median of its last
+    KEEP samples, and a row count or lookup tree size counts once it has MIN_SAMPLES.
+
+    - Target forwards: at a row count that ran, its median; elsewhere the estimate's curve
+      times the measured / estimated ratio of the counts that ran (linear between them, the
+      nearest one's beyond), written out at PROBE_SIZES past the largest count that ran (so
+      the slope beyond it is the estimate's, not that of two neighbouring counts' noise).
+    - Drafting (draft_base_s, level_s): the estimate's, times the median over the head's tree
+      shapes that ran alone (no lookup nodes merged) of measured / estimated.
+    - Calibration (CostProfile.step_scale): per tree size that ran (plain steps and the head's
+      trees alone), measured / predicted against the refined forwards and drafting.
+    - Prompt lookup's steps (CostProfile.lookup_s): a plain step's seconds, and those of each
+      lookup tree size that ran alone (lookup_policy.costs_from_profile reads them).
+
+    A refined profile is made at the first two observations, then every EVERY, every
+    seen / 4 from the 16th on, every 4 * EVERY from the 64th (a refresh reprices every tree,
+    ~1 ms, not to be paid every plain step of a while that learns slowly). It is final
+    (``done``: the decoder keeps it for later processes, keep_profile, which then decide as
+    this one's later requests do) after STEPS steps of which TREES were the head's trees, or
+    after MAX_STEPS steps (where the head's trees seldom pay, e.g. at T = 1: the drafting
+    cost stays estimated)."""
+
+    KEEP, MIN_SAMPLES, EVERY, STEPS, TREES, MAX_STEPS = 5, 2, 4, 32, 4, 256
+    KINDS = ("plain", "head", "lookup", "merged")
+
+    def __init__(self, estimate: CostProfile) -> None:
+        self.estimate = self.profile = estimate
+        self.forwards: dict[int, list[float]] = {}  # rows -> forward seconds
+        self.drafts: dict[tuple[int, int], list[float]] = {}  # (depth, topk) -> measured / est.
+        self.steps_s: dict[tuple[int, int, int, int], list[float]] = {}  # shape -> step seconds
+        self.lookups: dict[int, list[float]] = {}  # nodes -> a lookup (1: plain) step's seconds
+        self.seen = self.pending = 0
+
+    @property
+    def done(self) -> bool:
+        trees = sum(len(s) for s in self.drafts.values())
+        return self.seen >= self.MAX_STEPS or (self.seen >= self.STEPS and trees >= self.TREES)
+
+    def observe(self, kind: str, rows: int, forward_s: float, seconds: float,
+                shape: tuple[int, int, int, int] = (0, 1, 0, 1), drafting_s: float = 0.0,
+                ) -> CostProfile | None:  # fmt: skip
+        """A real step of ``kind``: "plain", "head" (the head's tree of ``shape``, (depth,
+        nodes, topk, batch), alone), "lookup" (a lookup tree alone) or "merged" (the head's
+        tree with lookup nodes). Its target forward over ``rows`` rows took ``forward_s``, the
+        step ``seconds``, a head tree's drafting ``drafting_s`` (per sequence). Returns the
+        refined profile when one is made."""
+        if kind not in self.KINDS:
+            raise ValueError(f"kind={kind!r} is not one of {self.KINDS}")
+        self._add(self.forwards, rows, forward_s)
+        if kind == "plain":
+            shape = (0, 1, 0, shape[3])
+        if kind in ("plain", "head"):
+            self._add(self.steps_s, shape, seconds)
+        if kind == "lookup" or (kind == "plain" and shape[3] == 1):
+            self._add(self.lookups, rows, seconds)
+        depth, _, topk, _ = shape
+        est = self.estimate
+        if kind == "head" and drafting_s > 0:
+            priced = est.draft_base_s + depth * extrapolated(est.level_s, topk)
+            if priced > 0:
+                self._add(self.drafts, (depth, topk), drafting_s / priced)
+        self.seen += 1
+        self.pending += 1
+        every = min(4 * self.EVERY, max(self.EVERY, self.seen // 4))  # 4 steps, later 16
+        if self.pending < every and self.seen > 2 and not self.done:
+            return None
+        self.pending = 0
+        self.profile = self._refined()
+        return self.profile
+
+    def _add(self, table: dict, key, value: float) -> None:
+        """The last KEEP values of ``key``."""
+        samples = table.setdefault(key, [])
+        samples.append(value)
+        del samples[:-self.KEEP]
+
+    def _medians(self, table: dict) -> dict:
+        return {k: statistics.median(s) for k, s in table.items() if len(s) >= self.MIN_SAMPLES}
+
+    def _refined(self) -> CostProfile:
+        est = self.estimate
+        measured = self._medians(self.forwards)
+        at = sorted(measured)
+        target_s = dict(est.target_s)
+        if at:
+            ratios = [measured[r] / est.target(r) for r in at]
+            beyond = [n for n in PROBE_SIZES if n > at[-1]]
+            target_s = {n: measured.get(n, est.target(n) * float(np.interp(n, at, ratios)))
+                        for n in sorted({*est.target_s, *at, *beyond})}  # fmt: skip
+        profile = dataclasses.replace(est, target_s=target_s, step_scale={}, spread={},
+                                      lookup_s=self._medians(self.lookups))  # fmt: skip
+        drafts = self._medians(self.drafts)
+        if drafts:
+            ratio = statistics.median(drafts.values())
+            profile.draft_base_s = est.draft_base_s * ratio
+            profile.level_s = {k: v * ratio for k, v in est.level_s.items()}
+        scales: dict[int, list[float]] = {}
+        for (depth, n, topk, batch), seconds in self._medians(self.steps_s).items():
+            scales.setdefault(n, []).append(seconds / profile.parts_s(depth, n, topk, batch))
+        profile.step_scale = {n: statistics.median(v) for n, v in scales.items()}
+        return profile
+
+
 # Real steps timed to calibrate a profile: (depth, nodes) from a plain step to the largest tree,
 # in interleaved rounds (at least CALIBRATION_REPEATS, see _interleaved).
 CALIBRATION_SHAPES = ((0, 1), (1, 2), (1, 4), (2, 8), (3, 16), (4, 32), (8, 60))
@@ -500,10 +666,15 @@ def _priced(profile: CostProfile, topks: tuple[int, ...], max_depth: int,
         return hit[1], hit[2]
     plain = profile.plain_step_s(batch)
     at = np.maximum(np.array(sizes) - 2, 0)  # index of n in calibrated(..., n_max)
-    n_max = max(2, max(sizes))
+    n = np.arange(2, max(2, max(sizes)) + 1)
+    # calibrated(d, k, batch, n_max) for every (k, d), its depth-free parts computed once
+    # (the same operations in the same order: the same bits).
+    verify = extrapolated(running_max(profile.verify_s), n)
+    target, scale = profile.target(batch * n), profile.scale(n)
     grid = np.array(
-        [[np.maximum.accumulate(profile.calibrated(d, k, batch, n_max))[at]
-          for d in range(1, max_depth + 1)] for k in topks]
+        [[np.maximum.accumulate((batch * (drafting + verify) + target) * scale)[at]
+          for drafting in (profile.draft_base_s + extrapolated(profile.level_s, k) * d
+                           for d in range(1, max_depth + 1))] for k in topks]
     )  # fmt: skip
     grid = np.maximum(grid, plain)
     grid[..., np.array(sizes) == 1] = plain
@@ -576,6 +747,13 @@ class AutoTree:
         self.checks: list[float] | None = [] if check else None  # measured / predicted
         self.contradicted = False
         self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
+        self.learns = False  # repriced as its profile learns from real steps (CostLearner)
+
+    def reprice(self, profile: CostProfile) -> None:
+        """Price trees with ``profile``, the same costs refined by real steps (CostLearner):
+        evidence, batch and probes kept."""
+        batch, self.profile, self.batch = self.batch, profile, 0
+        self.set_batch(batch)
 
     def use_profile(self, profile: CostProfile) -> None:
         """Price trees with ``profile`` (a fresh one after a contradiction); evidence is kept and

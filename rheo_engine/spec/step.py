@@ -113,9 +113,10 @@ class StepTimes:
     target_s: float = 0.0  # the target forward over the tree
     verify_s: float = 0.0  # the verification kernel and the step's one host read
     commit_s: float = 0.0  # target KV compaction
+    tree_s: float = 0.0  # the whole drafting phase: draft_s and the head's level forwards
 
     def add(self, other: StepTimes) -> None:
-        for name in ("draft_s", "head_s", "target_s", "verify_s", "commit_s"):
+        for name in ("draft_s", "head_s", "target_s", "verify_s", "commit_s", "tree_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -258,7 +259,8 @@ def speculative_step(
             coins=coins, merge=merge,
         )  # fmt: skip
     head_s = 0.0 if timed is None else timed.elapsed
-    times.draft_s = clock.lap() - head_s
+    times.tree_s = clock.lap()
+    times.draft_s = times.tree_s - head_s
     logits, features = target.forward_tree(dt.tree)
     times.target_s = clock.lap()
     if shared or B == 1:
