@@ -101,8 +101,16 @@ def test_chat_prompt_commands_ctrl_c_and_ctrl_d(terminal):
     t.read_until(r"\(a new conversation\)\n> ")
     t.send("/stats\n")
     t.read_until(r"no answer yet\n> ")
-    t.send("\x03")  # at the prompt: a new prompt, not an exit
-    t.read_until(r"\n> ")
+    # At the prompt: a new prompt, not an exit. A SIGINT that lands as input() enters its
+    # wait can stay pending until the next key (CPython issue 112585; 1 run in 10 of this
+    # sequence on a 2-core EPYC), so the test presses Ctrl-C again when no prompt came.
+    for tries_left in (2, 1, 0):
+        t.send("\x03")
+        try:
+            t.read_until(r"\n> ", timeout=5.0 if tries_left else 120.0)
+            break
+        except AssertionError:
+            assert tries_left and t.proc.poll() is None, "Ctrl-C at the prompt ended the chat"
     assert t.proc.poll() is None
     t.send("\x04")  # Ctrl-D leaves
     assert t.close() == 0
