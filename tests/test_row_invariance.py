@@ -28,7 +28,7 @@ from rheo_engine import Engine
 from rheo_engine.models import linear as linear_mod
 from rheo_engine.spec import kernels
 
-MAX_ROWS = 70  # > 2 sweeps of 32 rows, every tile remainder
+MAX_ROWS = 136  # > 2 sweeps of 64 rows (32 where rows are long), every tile remainder
 
 
 def paths() -> list[tuple[str, bool]]:

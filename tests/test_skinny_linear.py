@@ -22,7 +22,7 @@ needs_cuda = pytest.mark.skipif(
 )
 DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "weights" / "default" / "target"
 
-ROWS = [1, 2, 3, 5, 8, 16, 33, 65]  # n: 1, tile remainders, a sweep of 32, 2 and 3 sweeps
+ROWS = [1, 2, 3, 5, 8, 16, 33, 65]  # n: 1, tile remainders, a sweep, 2 sweeps (32-64 rows each)
 IN = [8, 13, 256, 2048 + 5]  # in: below one 32-column step, a tail only, exact, steps + a tail
 OUT = [1, 7, 64, 1000]  # out: single rows, a 4-row tile plus leftovers, several tasks
 

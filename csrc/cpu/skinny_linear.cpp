@@ -2,12 +2,12 @@
 // of a decode step or a draft tree and the many of a prefill, with the same bits for a row
 // whatever else runs with it.
 //
-// Work split: x is taken kSweepRows rows at a time (a sweep); in each sweep the output rows are
-// taken R at a time (a block of W rows, R * in elements, kept in L1), and each block meets the
-// sweep's rows C at a time, with R x C vector accumulators in registers. W comes from memory once
-// per sweep (once for n <= kSweepRows); the sweep's x stays in L1/L2. Every accumulator holds the
-// 16 lanes of skinny::dot for one (W row, x row), so the tile shape, the sweep, the split of
-// [o_begin, o_end) over threads and the number of rows change no bit.
+// Work split: x is taken 32-64 rows at a time (a sweep, sweep_rows()); in each sweep the output
+// rows are taken R at a time (a block of W rows, R * in elements, kept in L1), and each block meets
+// the sweep's rows C at a time, with R x C vector accumulators in registers. W comes from memory
+// once per sweep (once for n up to the sweep); the sweep's x stays in L1/L2. Every accumulator
+// holds the 16 lanes of skinny::dot for one (W row, x row), so the tile shape, the sweep, the split
+// of [o_begin, o_end) over threads and the number of rows change no bit.
 //
 // Paths, by the dispatch level (rheo/common.h cpu::active_isa(); RHEO_CPU_ISA picks one):
 //   avx512  bf16: vdpbf16ps on W and x as stored (16 lanes = 32 columns, odd column then even,
@@ -50,8 +50,16 @@ using skinny::kLanes;
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }  // nearest even, as torch
 
-// x rows per sweep over W.
-constexpr int64_t kSweepRows = 32;
+// x rows per sweep over W: as many as keep the sweep's x within kSweepBytes (half of a Zen 4 or
+// Sapphire Rapids core's L2, so W's stream keeps the other half), 32 to 64. W is read from memory
+// once a sweep: one sweep of 64 rows against two of 32 took SmolLM2's lm_head [49152, 576] at 64
+// rows from 0.73x to 0.93x F.linear on a Zen 4 EPYC (BENCHMARKS.md).
+constexpr int64_t kMinSweepRows = 32, kMaxSweepRows = 64, kSweepBytes = 512 * 1024;
+
+int64_t sweep_rows(int64_t in, int64_t x_bytes) {
+  return std::clamp(kSweepBytes / std::max<int64_t>(1, in * x_bytes), kMinSweepRows,
+                    kMaxSweepRows);
+}
 
 // --- portable path: skinny::dot per output ---
 
@@ -310,10 +318,11 @@ void sweep(const SkinnyLinearArgs& a) {
   const Elem* x = static_cast<const Elem*>(a.x);
   Elem* y = static_cast<Elem*>(a.y);
   std::vector<float> packed;  // [m, in] float32 copy of bf16 x rows (FMA paths)
-  for (int64_t i0 = 0; i0 < a.n; i0 += kSweepRows) {
-    const int64_t m = std::min(kSweepRows, a.n - i0);
-    const XElem* x_rows[kSweepRows];  // [m] rows of x, [in] each
-    Elem* y_rows[kSweepRows];         // [m] rows of y, [out] each
+  const int64_t rows = sweep_rows(a.in, sizeof(XElem));
+  for (int64_t i0 = 0; i0 < a.n; i0 += rows) {
+    const int64_t m = std::min(rows, a.n - i0);
+    const XElem* x_rows[kMaxSweepRows];  // [m] rows of x, [in] each
+    Elem* y_rows[kMaxSweepRows];         // [m] rows of y, [out] each
     if constexpr (kRaw) {
       for (int64_t i = 0; i < m; ++i) x_rows[i] = x + (i0 + i) * a.x_stride;
     } else {
