@@ -8,14 +8,16 @@ read and the memory floor: the bytes of W over the read bandwidth measured at th
 1-thread sum over 512 MiB). Shapes: a Llama-3.2-1B layer (fused qkv, o, fused gate/up, down),
 the default pair's target (weights/default/target/config.json) and SmolLM2-135M's, n rows of x.
 
-``--target smollm2|default`` instead times the target's forward over n tree rows after a
-300-token context (LlamaModel.forward, bf16, the kernel for every linear against
-RHEO_LINEAR=torch, interleaved) and prints t(n)/t(1) for each: what a tree costs.
+``--target smollm2|default|DIR`` (DIR: a pair's folder holding target/, e.g. a widened pair)
+instead times the target's forward over n tree rows after a 300-token context
+(LlamaModel.forward, bf16, the kernel for every linear against RHEO_LINEAR=torch, interleaved)
+and prints t(n)/t(1) for each: what a tree costs.
 
     python bench/bench_skinny_linear.py [--quick] [--rows 1,2,4,8,16,32,64] [--threads 1,2]
                                         [--dtype bfloat16,float32] [--shapes llama1b,default]
     python bench/bench_skinny_linear.py --shapes smollm2 --dtype bfloat16 --threads 1
     python bench/bench_skinny_linear.py --target smollm2 --rows 1,4,16 --threads 1
+    python bench/bench_skinny_linear.py --target /work/wide1b --rows 1,4,16,64 --threads 2
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def target_rows(pair: str, rows: list[int], context: int = 300, repeats: int = 1
     from rheo_engine.runtime.engine import Engine
 
     options = {"pair": "smollm2", "quantized": False} if pair == "smollm2" else {}
+    if Path(pair).is_dir():  # a pair's folder (its target is timed)
+        options = {"target": str(Path(pair) / "target"), "draft": str(Path(pair) / "draft")}
     try:
         model = Engine.from_pretrained(dtype=torch.bfloat16, **options).target
     except TypeError:  # a checkout from before quantized GGUF loading: dequantized anyway
@@ -158,8 +162,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16,float32", help="bfloat16 and/or float32")
     parser.add_argument("--shapes", default="llama1b,default",
                         help="llama1b, default and/or smollm2")  # fmt: skip
-    parser.add_argument("--target", choices=["smollm2", "default"],
-                        help="time the target's forward over n tree rows instead")  # fmt: skip
+    parser.add_argument("--target", help="smollm2, default or a pair's folder (holding target/): "
+                        "time the target's forward over n tree rows instead")  # fmt: skip
     args = parser.parse_args()
     try:
         rows = [int(v) for v in args.rows.split(",")]
@@ -169,6 +173,9 @@ def main() -> None:
     if min(rows) < 1 or min(threads) < 1:
         parser.error("--rows and --threads must be >= 1")
     if args.target:
+        if args.target not in ("smollm2", "default") and not Path(args.target, "target").is_dir():
+            parser.error(f"--target takes smollm2, default or a folder holding target/, got "
+                         f"{args.target!r}")  # fmt: skip
         torch.set_num_threads(threads[0])
         return target_rows(args.target, rows)
     dtypes = args.dtype.split(",")
