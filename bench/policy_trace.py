@@ -1,6 +1,6 @@
 """Where a `rheo` run's time goes against its own plain step: per kind of tree the policy drew.
 
-    python bench/policy_trace.py [--pair default] [--drafts both] [--temperature 1]
+    python bench/policy_trace.py [--pair default|smollm2|DIR] [--drafts both] [--temperature 1]
         [--prompts 12] [--max-new-tokens 128] [--rounds 2] [--threads 1]
 
 Runs the held-out prompts (bench/data/heldout) through `Engine.generate` with default options,
@@ -35,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="default", help="a shipped pair: default, smollm2")
+    ap.add_argument("--pair", default="default",
+                    help="a shipped pair (default, smollm2) or a folder holding target/ and draft/")
     ap.add_argument("--drafts", default="both", choices=("head", "lookup", "both"))
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--prompts", type=int, default=12, help="held-out prompts (1-12)")
@@ -141,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     from rheo_engine import Engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(pair=args.pair, threads=args.threads)
+    if Path(args.pair).is_dir():
+        folder = Path(args.pair)
+        engine = Engine.from_pretrained(folder / "target", folder / "draft", threads=args.threads)
+    else:
+        engine = Engine.from_pretrained(pair=args.pair, threads=args.threads)
     path = HERE / "data" / "heldout" / "heldout" / "question.jsonl"
     prompts = [json.loads(line)["turns"][0] for line in path.read_text().splitlines()]
     prompts = prompts[: args.prompts]
