@@ -63,6 +63,7 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& tree_mask, int64_t prefix_len,
                     const std::optional<at::Tensor>& prefix_lens,
                     const std::optional<at::Tensor>& kv_slots, double scale, at::Tensor& out);
+int64_t tree_attention_exp_check(int64_t first, int64_t last, int64_t stride);
 
 // verification (csrc/include/rheo/verification.h); method: 0 = topk, 1 = rrsw, 2 = rheo
 void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,

@@ -93,6 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_skinny_linear_bf16_dot", &b::set_skinny_linear_bf16_dot, "Allow it or not (tests).");
   // tree attention
   m.def("tree_attention", &b::tree_attention, "Attention of N tree nodes over prefix + tree (GQA), ragged / pooled.");
+  m.def("tree_attention_exp_check", &b::tree_attention_exp_check, "Its vector exp against std::exp (tests).");
   // verification
   m.def("verification", &b::verification, "Accepted path and emitted token of each tree.");
   m.def("verification_law", &b::verification_law, "Exact law of the walk (CPU; tests).");

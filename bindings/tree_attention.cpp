@@ -127,4 +127,8 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   tree_attention_cpu(args);
 }
 
+int64_t tree_attention_exp_check(int64_t first, int64_t last, int64_t stride) {
+  return tree_attention_exp_mismatches(first, last, stride);
+}
+
 }  // namespace rheo::bind

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import itertools
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -185,6 +186,38 @@ def test_tree_attention_same_bits(level, dtype):
         q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, dtype=dtype, seed=D)
         base, other = at_default_and(level, kernels.tree_attention, q, k, v, mask, prefix_len)
         assert_same_bits(base, other, f"tree attention B={B} N={N} H={H} D={D} P={prefix_len}")
+
+
+def glibc_with_fma_expf() -> bool:
+    """glibc >= 2.28 on a CPU with FMA: its expf is the algorithm the vector exp reproduces."""
+    name, version = platform.libc_ver()
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    with open("/proc/cpuinfo") as f:
+        fma = " fma " in f.read().replace("\n", " ")
+    return name == "glibc" and parts >= (2, 28) and fma
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_tree_attention_vector_exp_is_expf_on_every_softmax_input(level):
+    """The softmax's exponentials, 8 at a time at this level, equal the C library's expf on
+    every float from -0 down to -88 (the lanes the vector path computes of all a softmax passes:
+    a score less the running max), on every 7th of the other negatives (-inf where masked, NaN:
+    std::exp's) and of the positives. On glibc with FMA the vector path must be on (its
+    first-use check passed): -1 there means it was refused. ~15 s a level."""
+    require(level)
+    with dispatch(level):
+        on = kernels.tree_attention_exp_mismatches(0, 0) >= 0
+        if not on:
+            assert not glibc_with_fma_expf(), f"the {level} vector exp was refused on glibc + FMA"
+            pytest.skip(f"the {level} level computes expf one at a time here (not glibc + FMA)")
+        assert kernels.tree_attention_exp_mismatches(0x80000000, 0xC2B00000) == 0  # -0 .. -88
+        assert kernels.tree_attention_exp_mismatches(0xC2B00001, 0xFFFFFFFF, 7) == 0
+        assert kernels.tree_attention_exp_mismatches(0, 0x7FFFFFFF, 7) == 0
+
+
+def test_tree_attention_exp_check_rejects_bad_ranges():
+    with pytest.raises(ValueError, match=r"first <= last <= 2\^32 - 1 .* got first=5, last=4"):
+        kernels.tree_attention_exp_mismatches(5, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -28,6 +28,11 @@
 #include <omp.h>
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RHEO_HAVE_X86_EXP 1
+#endif
+
 namespace rheo {
 namespace {
 
@@ -154,6 +159,167 @@ RHEO_ALWAYS_INLINE void pv_block(const float* w0, const float* w1, const float* 
   std::memcpy(out1, acc1, sizeof acc1);
 }
 
+// --- the softmax's exponentials: std::exp's bits, 8 at a time ---
+//
+// The C library's expf is the definition (cpu_math.h). glibc >= 2.27 computes it by ARM's
+// optimized-routines algorithm in double precision, and on a CPU with FMA runs its FMA build
+// (__expf_fma), whose compiled code fuses exactly these steps (read from glibc 2.36's libm):
+//   kd0 = fma(N/ln2, x, 0x1.8p52); ki = bits(kd0); kd = kd0 - 0x1.8p52; r = fma(N/ln2, x, -kd);
+//   s = double(T[ki % 32] + (ki << 47)); y = fma(fma(r, C0, C1), r * r, fma(r, C2, 1)) * s;
+//   expf(x) = float(y)                      (N = 32; T, C0..C2 the library's own constants)
+// for |x| < 88 (the top 12 bits of x, sign off, at most 0x42a); larger |x|, infinities and NaN
+// take the library's own special cases. The vector paths compute those lanes with AVX2 + FMA or
+// AVX-512 and hand every other lane to std::exp; each path runs only where a check at first
+// use found it gives this machine's std::exp bits (a library or build computing otherwise keeps
+// std::exp), and tests/test_tree_attention.py compares every non-positive float, all 2^31 that
+// a softmax can pass. Widened 1B's layer at 16 nodes after 300 cached rows (Zen 4, one thread):
+// see BENCHMARKS.md, "Issue 40 on an AVX-512-BF16 EPYC".
+
+#ifdef RHEO_HAVE_X86_EXP
+alignas(64) constexpr uint64_t kExpTable[32] = {
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
+    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
+    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
+    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
+    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
+    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+constexpr double kInvLn2N = 0x1.71547652b82fep+5, kExpShift = 0x1.8p+52;
+constexpr double kC0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, kC1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
+                 kC2 = 0x1.62e42ff0c52d6p-1 / 32;
+
+inline bool exp_lane_is_vector(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return ((u >> 20) & 0x7FF) <= 0x42A;
+}
+
+// p[r] = std::exp(p[r]) for r < n, in place: 8 lanes at a time, each lane the vector path does
+// not compute (and the last n % 8) by std::exp.
+__attribute__((target("avx2,fma"))) void exp_row_avx2(float* p, int64_t n) {
+  const __m256i top = _mm256_set1_epi32(0x42A);
+  int64_t r = 0;
+  for (; r + 8 <= n; r += 8) {
+    const __m256 xf = _mm256_loadu_ps(p + r);
+    const __m256i abstop = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(xf), 20),
+                                            _mm256_set1_epi32(0x7FF));
+    const int outside = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(abstop, top)));
+    float in[8];
+    _mm256_storeu_ps(in, xf);
+    for (int h = 0; h < 2; ++h) {
+      const __m128 half = h ? _mm256_extractf128_ps(xf, 1) : _mm256_castps256_ps128(xf);
+      const __m256d xd = _mm256_cvtps_pd(half);
+      const __m256d kd0 = _mm256_fmadd_pd(_mm256_set1_pd(kInvLn2N), xd, _mm256_set1_pd(kExpShift));
+      const __m256i ki = _mm256_castpd_si256(kd0);
+      const __m256d kd = _mm256_sub_pd(kd0, _mm256_set1_pd(kExpShift));
+      const __m256d rr = _mm256_fmsub_pd(_mm256_set1_pd(kInvLn2N), xd, kd);
+      const __m256i t = _mm256_add_epi64(
+          _mm256_i64gather_epi64(reinterpret_cast<const long long*>(kExpTable),
+                                 _mm256_and_si256(ki, _mm256_set1_epi64x(31)), 8),
+          _mm256_slli_epi64(ki, 47));
+      const __m256d z = _mm256_fmadd_pd(rr, _mm256_set1_pd(kC0), _mm256_set1_pd(kC1));
+      const __m256d r2 = _mm256_mul_pd(rr, rr);
+      __m256d v = _mm256_fmadd_pd(rr, _mm256_set1_pd(kC2), _mm256_set1_pd(1.0));
+      v = _mm256_mul_pd(_mm256_fmadd_pd(z, r2, v), _mm256_castsi256_pd(t));
+      _mm_storeu_ps(p + r + 4 * h, _mm256_cvtpd_ps(v));
+    }
+    for (int i = 0; outside && i < 8; ++i)
+      if (outside >> i & 1) p[r + i] = std::exp(in[i]);
+  }
+  for (; r < n; ++r) p[r] = std::exp(p[r]);
+}
+
+__attribute__((target("avx512f"))) void exp_row_avx512(float* p, int64_t n) {
+  // The table in four registers: entry i is lane i % 8 of tab[i / 8].
+  __m512i tab[4];
+  for (int i = 0; i < 4; ++i) tab[i] = _mm512_load_si512(kExpTable + 8 * i);
+  const __m256i top = _mm256_set1_epi32(0x42A);
+  int64_t r = 0;
+  for (; r + 8 <= n; r += 8) {
+    const __m256 xf = _mm256_loadu_ps(p + r);
+    const __m256i abstop = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(xf), 20),
+                                            _mm256_set1_epi32(0x7FF));
+    const int outside = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(abstop, top)));
+    float in[8];
+    _mm256_storeu_ps(in, xf);
+    const __m512d xd = _mm512_cvtps_pd(xf);
+    const __m512d kd0 = _mm512_fmadd_pd(_mm512_set1_pd(kInvLn2N), xd, _mm512_set1_pd(kExpShift));
+    const __m512i ki = _mm512_castpd_si512(kd0);
+    const __m512d kd = _mm512_sub_pd(kd0, _mm512_set1_pd(kExpShift));
+    const __m512d rr = _mm512_fmsub_pd(_mm512_set1_pd(kInvLn2N), xd, kd);
+    // tab[ki % 32]: entries 0..15 and 16..31 by two two-table permutes, then bit 4 picks.
+    const __m512i low = _mm512_permutex2var_epi64(tab[0], ki, tab[1]);
+    const __m512i high = _mm512_permutex2var_epi64(tab[2], ki, tab[3]);
+    const __mmask8 upper = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
+    const __m512i t = _mm512_add_epi64(_mm512_mask_blend_epi64(upper, low, high),
+                                       _mm512_slli_epi64(ki, 47));
+    const __m512d z = _mm512_fmadd_pd(rr, _mm512_set1_pd(kC0), _mm512_set1_pd(kC1));
+    const __m512d r2 = _mm512_mul_pd(rr, rr);
+    __m512d v = _mm512_fmadd_pd(rr, _mm512_set1_pd(kC2), _mm512_set1_pd(1.0));
+    v = _mm512_mul_pd(_mm512_fmadd_pd(z, r2, v), _mm512_castsi512_pd(t));
+    _mm256_storeu_ps(p + r, _mm512_cvtpd_ps(v));
+    for (int i = 0; outside && i < 8; ++i)
+      if (outside >> i & 1) p[r + i] = std::exp(in[i]);
+  }
+  for (; r < n; ++r) p[r] = std::exp(p[r]);
+}
+#endif  // RHEO_HAVE_X86_EXP
+
+using ExpRow = void (*)(float* p, int64_t n);
+
+// Mismatches of exp_row against std::exp over the float bit patterns first, first + stride, ...
+// <= last.
+int64_t exp_row_mismatches(ExpRow exp_row, uint64_t first, uint64_t last, uint64_t stride) {
+  constexpr int kChunk = 4096;
+  int64_t bad = 0;
+  float x[kChunk], y[kChunk];
+  for (uint64_t u = first; u <= last;) {
+    int n = 0;
+    for (; n < kChunk && u <= last; ++n, u += stride) {
+      const uint32_t bits = static_cast<uint32_t>(u);
+      std::memcpy(&x[n], &bits, sizeof bits);
+    }
+    std::memcpy(y, x, n * sizeof(float));
+    exp_row(y, n);
+    for (int i = 0; i < n; ++i) {
+      const float want = std::exp(x[i]);
+      const bool nans = std::isnan(want) && std::isnan(y[i]);
+      bad += std::memcmp(&want, &y[i], sizeof want) != 0 && !nans;
+    }
+  }
+  return bad;
+}
+
+// The vector exp of the active level, or null (std::exp): checked once per path against
+// std::exp on every 4099th float bit pattern (~1M values, a few ms).
+ExpRow vector_exp() {
+#ifdef RHEO_HAVE_X86_EXP
+  auto checked = [](ExpRow f) {
+    return exp_row_mismatches(f, 0, 0xFFFFFFFFull, 4099) == 0 ? f : nullptr;
+  };
+  switch (cpu::active_isa()) {
+    case cpu::Isa::kAvx512: {
+      static const ExpRow f = checked(&exp_row_avx512);
+      return f;
+    }
+    case cpu::Isa::kAvx2: {
+      static const ExpRow f = __builtin_cpu_supports("fma") ? checked(&exp_row_avx2) : nullptr;
+      return f;
+    }
+    default: return nullptr;
+  }
+#else
+  return nullptr;
+#endif
+}
+
+// p[r] = std::exp(p[r]) for r < n, in place: by exp_row where vector_exp() gave one.
+void exp_in_place(ExpRow exp_row, float* p, int64_t n) {
+  if (exp_row != nullptr) return exp_row(p, n);
+  for (int64_t r = 0; r < n; ++r) p[r] = std::exp(p[r]);
+}
+
 // --- one task: queries of nodes n0..n0+nodes-1, heads kvh*G..kvh*G+G-1 of batch entry b ---
 
 struct Task {
@@ -247,7 +413,7 @@ RHEO_ISA_COPIES(void, score_tile, score_tile_loop,
 
 // Step 2: online softmax. Raise each running max to cover the tile, rescale what was summed
 // under the old max by exp(old - new), and turn the tile's scores into weights exp(s - max).
-void softmax_update(const Task& t, int64_t rows, Workspace& ws) {
+void softmax_update(const Task& t, int64_t rows, Workspace& ws, ExpRow exp_row) {
   const int64_t Dp = ws.Dp;
   for (int64_t m = 0; m < t.M; ++m) {
     float* p = ws.p.data() + m * kTileRows;
@@ -263,11 +429,10 @@ void softmax_update(const Task& t, int64_t rows, Workspace& ws) {
       ws.run_sum[m] *= correction;
       for (int64_t d = 0; d < Dp; ++d) ws.acc[m * Dp + d] *= correction;
     }
+    for (int64_t r = 0; r < rows; ++r) p[r] -= new_max;
+    exp_in_place(exp_row, p, rows);  // a masked score -inf gives weight 0
     float sum = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) {
-      p[r] = std::exp(p[r] - new_max);  // a masked score -inf gives weight 0
-      sum += p[r];
-    }
+    for (int64_t r = 0; r < rows; ++r) sum += p[r];
     ws.run_sum[m] += sum;
     ws.run_max[m] = new_max;
   }
@@ -316,19 +481,27 @@ void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspa
   }
 }
 
-void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
+void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws, ExpRow exp_row) {
   gather_queries(a, t, G, ws);
   const int64_t L = t.prefix + a.N;  // cache rows any node of sequence b may see
   for (int64_t j0 = 0; j0 < L; j0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, L - j0);
     score_tile(a, t, G, j0, rows, ws);
-    softmax_update(t, rows, ws);
+    softmax_update(t, rows, ws, exp_row);
     accumulate_tile(a, t, j0, rows, ws);
   }
   write_outputs(a, t, G, ws);
 }
 
 }  // namespace
+
+int64_t tree_attention_exp_mismatches(int64_t first, int64_t last, int64_t stride) {
+  RHEO_CHECK(0 <= first && first <= last && last <= 0xFFFFFFFFll && stride >= 1,
+             "tree_attention_exp_mismatches needs 0 <= first <= last <= 2^32 - 1 and stride >= 1, ",
+             "got first=", first, ", last=", last, ", stride=", stride);
+  const ExpRow exp_row = vector_exp();
+  return exp_row == nullptr ? -1 : exp_row_mismatches(exp_row, first, last, stride);
+}
 
 void tree_attention_cpu(const TreeAttentionArgs& args) {
   RHEO_CHECK(args.D >= 1 && args.H >= 1 && args.Hkv >= 1, "tree_attention needs D, H, Hkv >= 1, ",
@@ -360,6 +533,7 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
 #else
   const int n_threads = 1;
 #endif
+  const ExpRow exp_row = vector_exp();  // (its first call checks it, outside the parallel region)
   // One workspace per thread, allocated here: nothing may throw inside the parallel region.
   std::vector<Workspace> spaces(n_threads, Workspace(args.D, nodes * G));
 #pragma omp parallel for schedule(dynamic)
@@ -377,7 +551,7 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
     t.M = t.nodes * G;
     t.prefix = args.prefix_lens ? args.prefix_lens[t.b] : args.prefix_len;
     t.slot = args.kv_slots ? args.kv_slots[t.b] : t.b;
-    run_task(args, t, G, ws);
+    run_task(args, t, G, ws, exp_row);
   }
 }
 

@@ -458,6 +458,14 @@ def tree_attention(
     return out
 
 
+def tree_attention_exp_mismatches(first: int = 0, last: int = 2**32 - 1, stride: int = 1) -> int:
+    """The CPU tree attention's softmax exponentials at the active dispatch level (8 at a time,
+    csrc/cpu/tree_attention.cpp) against the C library's expf, over the float bit patterns
+    ``first, first + stride, ... <= last``: how many differ, or -1 where the level computes them
+    with expf itself. For tests."""
+    return _C.tree_attention_exp_check(first, last, stride)
+
+
 # --- verification -------------------------------------------------------------------------
 
 

@@ -61,6 +61,11 @@ struct TreeAttentionArgs {
 };
 
 void tree_attention_cpu(const TreeAttentionArgs& args);
+// The CPU kernel's softmax exponentials at the active dispatch level, 8 at a time (AVX2 + FMA or
+// AVX-512; std::exp's bits, csrc/cpu/tree_attention.cpp), against std::exp over the float bit
+// patterns first, first + stride, ... <= last: the values that differ, or -1 where the level
+// runs std::exp itself (the baseline level, no FMA, or a C library its first-use check refused).
+int64_t tree_attention_exp_mismatches(int64_t first, int64_t last, int64_t stride);
 #ifdef RHEO_WITH_CUDA
 // Floats of args.workspace that tree_attention_cuda needs for these sizes (0: none, the keys are
 // not split). Depends on B, N, H, Hkv, D and prefix_len only (not on prefix_lens or kv_slots, which
