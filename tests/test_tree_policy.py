@@ -113,6 +113,38 @@ def test_acceptance_moves_the_choice():
     assert policy.probes > 0 and policy.probe_share <= 0.03
 
 
+def test_a_cell_seen_once_is_not_taken_at_its_word():
+    """Evidence is shrunk by SHRINK steps that accepted nothing: a tree seen once accepting 3
+    drafts is expected to accept 3 / (1 + SHRINK); after many steps the shrink fades."""
+    stats = AcceptanceStats(max_depth=3, sizes=(4,), decay=1.0)
+    stats.add(np.array([1, 2, 3]), np.array([1.0, 1.0, 1.0]), grown=3)
+    assert stats.expected()[2, 0] == pytest.approx(3 / (1 + AcceptanceStats.SHRINK))
+    for _ in range(99):
+        stats.add(np.array([1, 2, 3]), np.array([1.0, 1.0, 1.0]), grown=3)
+    assert stats.expected()[2, 0] == pytest.approx(300 / (100 + AcceptanceStats.SHRINK))
+
+
+def test_trees_that_accept_less_than_promised_scale_the_evidence_down():
+    """A chosen tree's promise (its cell's evidence) against what it accepted: the calibration
+    falls when trees accept less, and the same evidence then buys a plain step."""
+    cheap = profile({1: 1.0, 2: 1.1, 16: 1.6}, level_s=0.02)
+    policy = trained(cheap, [1, 5, 9, 13])
+    assert policy.calibration == 1.0
+    cfg = policy.choose(100, 100)
+    assert cfg.method == "rheo"
+    promised = policy.promised[cfg]
+    assert promised > 1.0
+    policy.observe(cfg, outcome([]), 1.0)  # it accepted nothing
+    want = AutoTree.CAL_PRIOR / (promised + AutoTree.CAL_PRIOR)
+    assert policy.calibration == pytest.approx(want)
+    policy.cal_real, policy.cal_promised = 0.0, 1000.0  # trees kept failing their promises
+    policy.plain_known = 0
+    assert policy.choose(100, 100).method == "ar"
+    policy.cal_real = 1000.0  # and once they keep them, the evidence is read as it is
+    policy.plain_known = 0
+    assert policy.choose(100, 100).method == "rheo" and policy.calibration == 1.0
+
+
 def test_pairs_waiting_for_the_head_are_priced_into_a_chosen_tree():
     """A tree step first runs the head over the pairs of the plain steps before it: with level
     costs per row, a tree that pays at once does not after 30 plain steps (30 pairs), nor in a

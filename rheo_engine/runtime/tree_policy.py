@@ -597,6 +597,8 @@ class AcceptanceStats:
     come back (docs/tree_policy.md §5).
     """
 
+    SHRINK = 1.0  # steps of pseudo-evidence that accepted nothing, in every cell (§5)
+
     def __init__(self, max_depth: int, sizes: tuple[int, ...], decay: float = 0.9) -> None:
         self.max_depth, self.sizes, self.decay = max_depth, np.array(sizes), decay
         self.sums = np.zeros((max_depth, len(sizes)))
@@ -622,14 +624,15 @@ class AcceptanceStats:
     def expected(self, optimistic: bool = False) -> np.ndarray:
         """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N.
 
-        Evidence only: a tree no step covered is credited with what the biggest trees below it
-        accepted, no more (all zeros before any evidence: only a probe drafts then). Probes
-        (``optimistic``) read the evidence shrunk towards an optimistic prior instead, which
-        alone rates the trees no step covered, capped by the covered trees at least as deep
-        and as big (they hold its best-ranked nodes)."""
+        Evidence only, each cell's mean shrunk by SHRINK steps that accepted nothing: a tree no
+        step covered is credited with what the biggest trees below it accepted, no more (all
+        zeros before any evidence: only a probe drafts then). Probes (``optimistic``) read the
+        evidence shrunk towards an optimistic prior instead, which alone rates the trees no step
+        covered, capped by the covered trees at least as deep and as big (they hold its
+        best-ranked nodes)."""
         seen = self.counts > 0
         if not optimistic:
-            est = np.where(seen, self.sums / np.maximum(self.counts, 1e-12), 0.0)
+            est = np.where(seen, self.sums / (self.counts + self.SHRINK), 0.0)
         else:
             w = self.prior_weight
             est = (w * self.optimistic_prior + self.sums) / (w + self.counts)
@@ -722,6 +725,12 @@ class AutoTree:
     # (~0.1 ms) was ~3% of a plain step of the default pair.
     RECHECK = 8
     CHECK_STEPS, CONTRADICTION = 8, 1.5  # steps 2..9 of a kept profile; measured / predicted
+    # The evidence is scaled by what trees accepted against what it promised them: a decayed
+    # window of ~20 tree steps, CAL_PRIOR drafts of pseudo-evidence at 1, capped at 1. The tree
+    # the search picks is the one whose recent window ran luckiest; on the widened 1B pair at
+    # T = 1 (Zen 4 EPYC, 2 threads) head trees chosen for 1.9 accepted drafts accepted 0.6
+    # (docs/tree_policy.md §5).
+    CAL_DECAY, CAL_PRIOR = 0.95, 2.0
 
     def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False) -> None:
         self.bound = bound
@@ -747,6 +756,8 @@ class AutoTree:
         self.checks: list[float] | None = [] if check else None  # measured / predicted
         self.contradicted = False
         self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
+        self.promised: dict[TreeConfig, float] = {}  # a chosen tree's drafts, by the evidence
+        self.cal_real = self.cal_promised = 0.0  # decayed sums: accepted, and promised
         self.learns = False  # repriced as its profile learns from real steps (CostLearner)
 
     def reprice(self, profile: CostProfile) -> None:
@@ -773,6 +784,11 @@ class AutoTree:
                                             self.sizes, batch)  # fmt: skip
 
     @property
+    def calibration(self) -> float:
+        """Accepted drafts / what the evidence promised, over the recent tree steps: <= 1."""
+        return min(1.0, (self.cal_real + self.CAL_PRIOR) / (self.cal_promised + self.CAL_PRIOR))
+
+    @property
     def probe_share(self) -> float:
         """What probes lost against plain steps / all predicted time so far."""
         return self.probe_loss_s / self.total_s if self.total_s > 0 else 0.0
@@ -781,6 +797,8 @@ class AutoTree:
         """(rate, topk index, depth index, size index) of the best feasible tree; a probe
         (optimistic) only among trees predicted to cost at most PROBE_COST plain steps."""
         est = np.stack([st.expected(optimistic) for st in self.stats.values()])
+        if not optimistic:
+            est = est * self.calibration
         emitted = np.minimum(1.0 + est, wanted)
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
         sizes = np.array(self.sizes)[None, None, :]
@@ -856,9 +874,15 @@ class AutoTree:
 
     def _tree(self, i: int, d: int, j: int) -> TreeConfig:
         self.predicted_s = float(self.step_s[i, d, j]) + self.waiting_s
-        return dataclasses.replace(
+        cfg = dataclasses.replace(
             self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
         )
+        stats = self.stats[self.topks[i]]  # what the evidence alone promises this tree
+        if stats.counts[d, j] > 0:
+            self.promised[cfg] = float(stats.expected()[d, j])
+        else:
+            self.promised.pop(cfg, None)
+        return cfg
 
     def observe(self, cfg, outcome, seconds) -> None:
         self._check(seconds)
@@ -876,6 +900,10 @@ class AutoTree:
             refund = min(self.probe_risk, (n - 1) * self.plain_s / self.batch)
             self.probe_risk -= refund
             self.probe_loss_s -= refund
+        promised = self.promised.get(cfg)
+        if promised is not None:  # calibration
+            self.cal_real = self.CAL_DECAY * self.cal_real + (n - 1)
+            self.cal_promised = self.CAL_DECAY * self.cal_promised + promised
         if cfg.topk in self.stats:
             self.stats[cfg.topk].add(depths, accepted, cfg.depth)
 
