@@ -5,6 +5,8 @@ of reps) and prints one CSV row per case: µs per call, the torch time, the rati
 of K/V actually read (2 * B * (prefix_len + N) * Hkv * D * element size per call).
 
     python bench/bench_tree_attention.py [--quick] [--device cpu|cuda]
+    python bench/bench_tree_attention.py --shapes 1,64,32,32/16,64,32,32 --prefixes 300 \
+        --dtypes bfloat16     # widened 1B's layer (N,H,Hkv,D) at 1 and 16 nodes
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def torch_native(q, k, v, tree_mask, prefix_len):
     return out.transpose(1, 2)
 
 
-def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: int) -> str:
+def run_case(prefix_len: int, dtype: torch.dtype, device: torch.device, reps: int,
+             shape: tuple[int, int, int, int] = (N, H, HKV, D)) -> str:  # fmt: skip
+    N, H, HKV, D = shape  # noqa: N806 (the module's names, per case)
     gen = torch.Generator().manual_seed(prefix_len)
     rows = prefix_len + N
     q = torch.randn(B, N, H, D, generator=gen).to(device, dtype)
@@ -68,18 +72,35 @@ def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shapes", default=f"{N},{H},{HKV},{D}",
+                        help="N,H,Hkv,D of each case, cases split by /")  # fmt: skip
+    parser.add_argument("--prefixes", help="cached rows, comma-separated (default 128,1024,4096)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16")
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in case.split(",")) for case in args.shapes.split("/")]
+        given = None if args.prefixes is None else [int(v) for v in args.prefixes.split(",")]
+    except ValueError:
+        parser.error(f"--shapes takes N,H,Hkv,D/... and --prefixes integers, got "
+                     f"{args.shapes!r}, {args.prefixes!r}")  # fmt: skip
+    if any(len(c) != 4 or min(c) < 1 or c[1] % c[2] for c in shapes):
+        parser.error(f"--shapes: each case is N,H,Hkv,D >= 1 with H a multiple of Hkv, got "
+                     f"{args.shapes!r}")  # fmt: skip
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if not set(args.dtypes.split(",")) <= set(dtypes):
+        parser.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not (torch.cuda.is_available() and kernels.has_cuda()):
         parser.error("--device cuda needs a CUDA GPU and a CUDA build of rheo_engine._C; use cpu")
-    prefixes = [128, 1024] if args.quick else [128, 1024, 4096]
+    prefixes = given or ([128, 1024] if args.quick else [128, 1024, 4096])
     reps = 5 if args.quick else (50 if device.type == "cpu" else 200)
     print(conditions_line(conditions("tree_attention", args.device, reps=reps)))
-    print("# B, N, H, Hkv, D fixed; tree mask: parent of node i is (i - 1) // 3; GB/s = K/V read")
+    print("# tree mask: parent of node i is (i - 1) // 3; GB/s = K/V read")
     print("device,dtype,B,N,H,Hkv,D,prefix_len,rheo_us,torch_us,speedup,rheo_kv_GB_per_s")
-    for dtype in (torch.float32, torch.bfloat16):
-        for prefix_len in prefixes:
-            print(run_case(prefix_len, dtype, device, reps), flush=True)
+    for dtype in (dtypes[name] for name in args.dtypes.split(",")):
+        for shape in shapes:
+            for prefix_len in prefixes:
+                print(run_case(prefix_len, dtype, device, reps, shape), flush=True)
 
 
 if __name__ == "__main__":
