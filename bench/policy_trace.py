@@ -82,11 +82,11 @@ class Trace:
                                     tokens=1 + float(est), seconds=policy.predicted_s)  # fmt: skip
             return cfg
 
-        def lookup_nodes(cands, costs, room, wanted, max_nodes):
-            n, depth = nodes(cands, costs, room, wanted, max_nodes)
+        def lookup_nodes(cands, costs, room, wanted, max_nodes, scale=1.0):
+            n, depth = nodes(cands, costs, room, wanted, max_nodes, scale)
             if n > 1 and costs is not None:
                 usable = [i for i in cands.ranked() if cands.depth[i] <= wanted - 1]
-                gained = sum(math.exp(cands.scores[usable[k]]) for k in range(n - 1))
+                gained = scale * sum(math.exp(cands.scores[usable[k]]) for k in range(n - 1))
                 trace.choice.update(kind="lookup", nodes=n, tokens=1 + gained,
                                     seconds=costs.cost(n))  # fmt: skip
             return n, depth

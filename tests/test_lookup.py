@@ -24,7 +24,7 @@ from test_lossless import law_of_next_tokens, step_law, target_law
 
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.models.ngram import NGramTable, NGramTarget
-from rheo_engine.runtime.lookup_policy import StepCosts, choose_nodes, monotone
+from rheo_engine.runtime.lookup_policy import StepCosts, choose_nodes, monotone, promised
 from rheo_engine.spec import kernels
 from rheo_engine.spec.lookup import (
     Candidates,
@@ -293,6 +293,32 @@ def test_evidence_drives_the_size():
     assert n == 4
     n, depth = choose_nodes(candidates(index, good, 8, 4), flat_costs(), 100, 3, 60)
     assert depth <= 2
+
+
+def test_lookup_trees_that_accept_less_than_promised_shrink_the_next_ones():
+    """A lookup tree's promise (the evidence's expected accepted drafts) against what it
+    accepted: the calibration falls, and the same evidence then drafts fewer nodes (none when
+    the trees keep failing); kept promises leave it at 1."""
+    index = LookupIndex([0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2])
+    stats = LookupStats()
+    for _ in range(30):
+        stats.observe([(3, d, True) for d in range(1, 7)])
+    cands = candidates(index, stats, 8, 4)
+    n, _ = choose_nodes(cands, flat_costs(0.2), 100, 100, 60, stats.calibration)
+    assert n > 2
+    stats.promised = promised(cands, n, 100)
+    assert stats.promised > 1.0
+    stats.settle(0)  # it accepted nothing
+    want = LookupStats.CAL_PRIOR / (promised(cands, n, 100) + LookupStats.CAL_PRIOR)
+    assert stats.calibration == pytest.approx(want) and stats.promised is None
+    fewer, _ = choose_nodes(cands, flat_costs(0.2), 100, 100, 60, stats.calibration)
+    assert 1 <= fewer < n
+    stats.settle(5)  # nothing promised: nothing changes
+    assert stats.calibration == pytest.approx(want)
+    stats.cal_real, stats.cal_promised = 0.0, 1000.0
+    assert choose_nodes(cands, flat_costs(0.2), 100, 100, 60, stats.calibration) == (1, 0)
+    stats.cal_real = 1000.0
+    assert stats.calibration == 1.0
 
 
 def test_costs_are_monotone():

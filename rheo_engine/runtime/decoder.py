@@ -53,6 +53,7 @@ from rheo_engine.runtime.lookup_policy import (
     extra_nodes,
     keep_costs,
     measure_costs,
+    promised,
 )
 from rheo_engine.runtime.progress import waits
 from rheo_engine.runtime.request import Request
@@ -537,10 +538,14 @@ class BatchDecoder:
                                                             or s.local.costs is not costs):
                 s.local = LocalCosts(costs)
             local = s.local if costs is not None and not costs.pinned else costs
-            n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens)
+            stats = s.lookup_stats
+            n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens,
+                                    stats.calibration)  # fmt: skip
             if n == 1:
                 plain.append(s)
             else:
+                if costs is not None:  # the auto tree's choice: its promise is calibrated
+                    stats.promised = promised(s.cands, n, wanted(s))
                 part = ([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None, "alone", 0)
                 parts.append(part)
         return ([(plain, TreeConfig("ar"), None, "alone", 0)] if plain else []) + parts
@@ -583,7 +588,8 @@ class BatchDecoder:
                 # never accepts (lossless, one wasted row).
                 most = tc.depth if fixed else max(0, tc.total_tokens - head.total_tokens)
                 n = extra_nodes(s.cands, costs, head.total_tokens, s.head_tokens, base_s,
-                                room_left if not fixed else room(s), wanted(s), most)  # fmt: skip
+                                room_left if not fixed else room(s), wanted(s), most,
+                                s.lookup_stats.calibration)  # fmt: skip
                 extras.setdefault(n, []).append(s)
             if not fixed:  # the auto tree is the batch's: the most any sequence adds
                 extras = {max(extras): part}
@@ -777,6 +783,8 @@ class BatchDecoder:
         if source is not None:  # one source's tree
             s.lookup_stats.observe(step_events(cands, row) if lookup
                                    else shadow_events(cands, emitted))  # fmt: skip
+            if lookup:
+                s.lookup_stats.settle(n - 1)
             accepted[source] = accepted.get(source, 0) + n - 1
             return row
         s.lookup_stats.observe(step_events(cands, row))

@@ -164,9 +164,10 @@ def costs_key(target_cfg, device: torch.device, dtype: torch.dtype, tensor_paral
 
 
 def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: int, wanted: int,
-                 max_nodes: int) -> tuple[int, int]:  # fmt: skip
+                 max_nodes: int, scale: float = 1.0) -> tuple[int, int]:  # fmt: skip
     """(N, depth) of the step: the N <= min(room, max_nodes) maximising (1 + E[accepted]) /
-    cost(N) over the candidates no deeper than wanted - 1; (1, 0), a plain step, when no tree
+    cost(N) over the candidates no deeper than wanted - 1, each candidate's estimate times
+    ``scale`` (the sequence's LookupStats.calibration); (1, 0), a plain step, when no tree
     beats a plain step by MARGIN. ``costs`` None (tree="fixed"): every usable candidate, up to
     that bound."""
     depth_cap = wanted - 1
@@ -179,7 +180,7 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
     plain = 1.0 / costs.cost(1)
     best_rate, best_n, gained = plain * MARGIN, 1, 0.0
     for n in range(2, limit + 1):
-        node = math.exp(cands.scores[usable[n - 2]])
+        node = scale * math.exp(cands.scores[usable[n - 2]])
         # No larger tree can win: each further node adds at most this one's estimate (they
         # are ranked) and costs no less than n rows (the costs are monotone). An exact cut.
         cost = costs.cost(n)
@@ -195,13 +196,20 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
     return best_n, depth
 
 
+def promised(cands: Candidates, n: int, wanted: int) -> float:
+    """What the evidence alone expects a lookup tree of ``n`` nodes (choose_nodes') to accept."""
+    usable = [i for i in cands.ranked() if cands.depth[i] <= wanted - 1]
+    return sum(math.exp(cands.scores[i]) for i in usable[: n - 1])
+
+
 def extra_nodes(cands: Candidates, costs: StepCosts | None, base_nodes: int, base_tokens: float,
-                base_s: float, room: int, wanted: int, max_nodes: int) -> int:  # fmt: skip
+                base_s: float, room: int, wanted: int, max_nodes: int,
+                scale: float = 1.0) -> int:  # fmt: skip
     """How many lookup nodes to add to a head tree of ``base_nodes`` nodes that yields
     ``base_tokens`` tokens a step (the sequence's record) in ``base_s`` seconds: the count
     maximising (base_tokens + E[accepted lookup]) / (base_s + cost(base + n) - cost(base)),
-    0 when none beats the head tree alone by MARGIN. ``costs`` None (tree="fixed"): every usable
-    candidate up to max_nodes."""
+    each estimate times ``scale`` (as choose_nodes), 0 when none beats the head tree alone by
+    MARGIN. ``costs`` None (tree="fixed"): every usable candidate up to max_nodes."""
     usable = [i for i in cands.ranked() if cands.depth[i] <= wanted - 1]
     limit = min(room - base_nodes, max_nodes, len(usable))
     if limit < 1:
@@ -210,7 +218,7 @@ def extra_nodes(cands: Candidates, costs: StepCosts | None, base_nodes: int, bas
         return limit
     best_rate, best_n, gained = base_tokens / base_s * MARGIN, 0, 0.0
     for n in range(1, limit + 1):
-        gained += math.exp(cands.scores[usable[n - 1]])
+        gained += scale * math.exp(cands.scores[usable[n - 1]])
         extra_s = costs.cost(base_nodes + n) - costs.cost(base_nodes)
         rate = (base_tokens + gained) / (base_s + extra_s)
         if rate > best_rate:
