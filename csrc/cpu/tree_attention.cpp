@@ -189,22 +189,28 @@ constexpr double kInvLn2N = 0x1.71547652b82fep+5, kExpShift = 0x1.8p+52;
 constexpr double kC0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, kC1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
                  kC2 = 0x1.62e42ff0c52d6p-1 / 32;
 
-inline bool exp_lane_is_vector(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return ((u >> 20) & 0x7FF) <= 0x42A;
+// The lanes of x the vector paths leave to std::exp (top 12 bits, sign off, above 0x42a), a bit
+// each.
+__attribute__((target("avx2"), always_inline)) inline int lanes_outside(__m256 x) {
+  const __m256i abstop =
+      _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), _mm256_set1_epi32(0x7FF));
+  return _mm256_movemask_ps(
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(abstop, _mm256_set1_epi32(0x42A))));
+}
+
+// p[i] = std::exp(in[i]) for the lanes i of `outside` (lanes_outside of in).
+inline void exp_outside(float* p, const float* in, int outside) {
+  for (int i = 0; outside && i < 8; ++i)
+    if (outside >> i & 1) p[i] = std::exp(in[i]);
 }
 
 // p[r] = std::exp(p[r]) for r < n, in place: 8 lanes at a time, each lane the vector path does
 // not compute (and the last n % 8) by std::exp.
 __attribute__((target("avx2,fma"))) void exp_row_avx2(float* p, int64_t n) {
-  const __m256i top = _mm256_set1_epi32(0x42A);
   int64_t r = 0;
   for (; r + 8 <= n; r += 8) {
     const __m256 xf = _mm256_loadu_ps(p + r);
-    const __m256i abstop = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(xf), 20),
-                                            _mm256_set1_epi32(0x7FF));
-    const int outside = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(abstop, top)));
+    const int outside = lanes_outside(xf);
     float in[8];
     _mm256_storeu_ps(in, xf);
     for (int h = 0; h < 2; ++h) {
@@ -224,8 +230,7 @@ __attribute__((target("avx2,fma"))) void exp_row_avx2(float* p, int64_t n) {
       v = _mm256_mul_pd(_mm256_fmadd_pd(z, r2, v), _mm256_castsi256_pd(t));
       _mm_storeu_ps(p + r + 4 * h, _mm256_cvtpd_ps(v));
     }
-    for (int i = 0; outside && i < 8; ++i)
-      if (outside >> i & 1) p[r + i] = std::exp(in[i]);
+    exp_outside(p + r, in, outside);
   }
   for (; r < n; ++r) p[r] = std::exp(p[r]);
 }
@@ -234,13 +239,10 @@ __attribute__((target("avx512f"))) void exp_row_avx512(float* p, int64_t n) {
   // The table in four registers: entry i is lane i % 8 of tab[i / 8].
   __m512i tab[4];
   for (int i = 0; i < 4; ++i) tab[i] = _mm512_load_si512(kExpTable + 8 * i);
-  const __m256i top = _mm256_set1_epi32(0x42A);
   int64_t r = 0;
   for (; r + 8 <= n; r += 8) {
     const __m256 xf = _mm256_loadu_ps(p + r);
-    const __m256i abstop = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(xf), 20),
-                                            _mm256_set1_epi32(0x7FF));
-    const int outside = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(abstop, top)));
+    const int outside = lanes_outside(xf);
     float in[8];
     _mm256_storeu_ps(in, xf);
     const __m512d xd = _mm512_cvtps_pd(xf);
@@ -259,8 +261,7 @@ __attribute__((target("avx512f"))) void exp_row_avx512(float* p, int64_t n) {
     __m512d v = _mm512_fmadd_pd(rr, _mm512_set1_pd(kC2), _mm512_set1_pd(1.0));
     v = _mm512_mul_pd(_mm512_fmadd_pd(z, r2, v), _mm512_castsi512_pd(t));
     _mm256_storeu_ps(p + r, _mm512_cvtpd_ps(v));
-    for (int i = 0; outside && i < 8; ++i)
-      if (outside >> i & 1) p[r + i] = std::exp(in[i]);
+    exp_outside(p + r, in, outside);
   }
   for (; r < n; ++r) p[r] = std::exp(p[r]);
 }
