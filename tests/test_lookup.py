@@ -25,6 +25,7 @@ from test_lossless import law_of_next_tokens, step_law, target_law
 from rheo_engine.config import SamplingConfig, TreeConfig
 from rheo_engine.models.ngram import NGramTable, NGramTarget
 from rheo_engine.runtime.lookup_policy import StepCosts, choose_nodes, monotone, promised
+from rheo_engine.runtime.tree_policy import Calibration
 from rheo_engine.spec import kernels
 from rheo_engine.spec.lookup import (
     Candidates,
@@ -300,25 +301,25 @@ def test_lookup_trees_that_accept_less_than_promised_shrink_the_next_ones():
     accepted: the calibration falls, and the same evidence then drafts fewer nodes (none when
     the trees keep failing); kept promises leave it at 1."""
     index = LookupIndex([0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2])
-    stats = LookupStats()
+    stats, cal = LookupStats(), Calibration()
     for _ in range(30):
         stats.observe([(3, d, True) for d in range(1, 7)])
     cands = candidates(index, stats, 8, 4)
-    n, _ = choose_nodes(cands, flat_costs(0.2), 100, 100, 60, stats.calibration)
+    n, _ = choose_nodes(cands, flat_costs(0.2), 100, 100, 60, cal.factor)
     assert n > 2
-    stats.promised = promised(cands, n, 100)
-    assert stats.promised > 1.0
-    stats.settle(0)  # it accepted nothing
-    want = LookupStats.CAL_PRIOR / (promised(cands, n, 100) + LookupStats.CAL_PRIOR)
-    assert stats.calibration == pytest.approx(want) and stats.promised is None
-    fewer, _ = choose_nodes(cands, flat_costs(0.2), 100, 100, 60, stats.calibration)
+    cal.pending = promised(cands, n, 100)
+    assert cal.pending > 1.0
+    cal.settle(0)  # it accepted nothing
+    want = Calibration.PRIOR / (promised(cands, n, 100) + Calibration.PRIOR)
+    assert cal.factor == pytest.approx(want) and cal.pending is None
+    fewer, _ = choose_nodes(cands, flat_costs(0.2), 100, 100, 60, cal.factor)
     assert 1 <= fewer < n
-    stats.settle(5)  # nothing promised: nothing changes
-    assert stats.calibration == pytest.approx(want)
-    stats.cal_real, stats.cal_promised = 0.0, 1000.0
-    assert choose_nodes(cands, flat_costs(0.2), 100, 100, 60, stats.calibration) == (1, 0)
-    stats.cal_real = 1000.0
-    assert stats.calibration == 1.0
+    cal.settle(5)  # nothing promised: nothing changes
+    assert cal.factor == pytest.approx(want)
+    cal.accepted, cal.promised = 0.0, 1000.0
+    assert choose_nodes(cands, flat_costs(0.2), 100, 100, 60, cal.factor) == (1, 0)
+    cal.accepted = 1000.0
+    assert cal.factor == 1.0
 
 
 def test_costs_are_monotone():

@@ -14,6 +14,7 @@ from rheo_engine.config import TreeConfig
 from rheo_engine.runtime.tree_policy import (
     AcceptanceStats,
     AutoTree,
+    Calibration,
     CostProfile,
     TreeUsage,
     profile_key,
@@ -129,20 +130,20 @@ def test_trees_that_accept_less_than_promised_scale_the_evidence_down():
     falls when trees accept less, and the same evidence then buys a plain step."""
     cheap = profile({1: 1.0, 2: 1.1, 16: 1.6}, level_s=0.02)
     policy = trained(cheap, [1, 5, 9, 13])
-    assert policy.calibration == 1.0
+    assert policy.calibration.factor == 1.0
     cfg = policy.choose(100, 100)
     assert cfg.method == "rheo"
     promised = policy.promised[cfg]
     assert promised > 1.0
     policy.observe(cfg, outcome([]), 1.0)  # it accepted nothing
-    want = AutoTree.CAL_PRIOR / (promised + AutoTree.CAL_PRIOR)
-    assert policy.calibration == pytest.approx(want)
-    policy.cal_real, policy.cal_promised = 0.0, 1000.0  # trees kept failing their promises
+    want = Calibration.PRIOR / (promised + Calibration.PRIOR)
+    assert policy.calibration.factor == pytest.approx(want)
+    policy.calibration.accepted, policy.calibration.promised = 0.0, 1000.0  # promises failed
     policy.plain_known = 0
     assert policy.choose(100, 100).method == "ar"
-    policy.cal_real = 1000.0  # and once they keep them, the evidence is read as it is
+    policy.calibration.accepted = 1000.0  # and once they keep them, the evidence is read as it is
     policy.plain_known = 0
-    assert policy.choose(100, 100).method == "rheo" and policy.calibration == 1.0
+    assert policy.choose(100, 100).method == "rheo" and policy.calibration.factor == 1.0
 
 
 def test_pairs_waiting_for_the_head_are_priced_into_a_chosen_tree():

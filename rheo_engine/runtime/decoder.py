@@ -59,6 +59,7 @@ from rheo_engine.runtime.progress import waits
 from rheo_engine.runtime.request import Request
 from rheo_engine.runtime.tree_policy import (
     AutoTree,
+    Calibration,
     CostLearner,
     CostProfile,
     FixedTree,
@@ -131,6 +132,7 @@ class SeqState:
     # sequence's evidence of how far its lookup drafts hold, and this step's candidates.
     lookup: LookupIndex | None = None
     lookup_stats: LookupStats | None = None
+    lookup_cal: Calibration | None = None  # its auto-chosen lookup trees against their promise
     cands: Candidates | None = None
     # drafts "both": this step's head tree (what the tree policy chose and observes), and the
     # tokens the head's part of a tree yields a step (decayed mean; lookup's nodes must beat it).
@@ -375,6 +377,7 @@ class BatchDecoder:
         seq = SeqState(request, slot, root, group, min(request.context, self.max_len))
         if drafts and source != "head":
             seq.lookup, seq.lookup_stats = LookupIndex(request.prompt_ids), LookupStats()
+            seq.lookup_cal = Calibration()
         self.running.append(seq)
         return seq
 
@@ -538,14 +541,13 @@ class BatchDecoder:
                                                             or s.local.costs is not costs):
                 s.local = LocalCosts(costs)
             local = s.local if costs is not None and not costs.pinned else costs
-            stats = s.lookup_stats
             n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens,
-                                    stats.calibration)  # fmt: skip
+                                    s.lookup_cal.factor)  # fmt: skip
             if n == 1:
                 plain.append(s)
             else:
                 if costs is not None:  # the auto tree's choice: its promise is calibrated
-                    stats.promised = promised(s.cands, n, wanted(s))
+                    s.lookup_cal.pending = promised(s.cands, n, wanted(s))
                 part = ([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None, "alone", 0)
                 parts.append(part)
         return ([(plain, TreeConfig("ar"), None, "alone", 0)] if plain else []) + parts
@@ -589,7 +591,7 @@ class BatchDecoder:
                 most = tc.depth if fixed else max(0, tc.total_tokens - head.total_tokens)
                 n = extra_nodes(s.cands, costs, head.total_tokens, s.head_tokens, base_s,
                                 room_left if not fixed else room(s), wanted(s), most,
-                                s.lookup_stats.calibration)  # fmt: skip
+                                s.lookup_cal.factor)  # fmt: skip
                 extras.setdefault(n, []).append(s)
             if not fixed:  # the auto tree is the batch's: the most any sequence adds
                 extras = {max(extras): part}
@@ -784,7 +786,7 @@ class BatchDecoder:
             s.lookup_stats.observe(step_events(cands, row) if lookup
                                    else shadow_events(cands, emitted))  # fmt: skip
             if lookup:
-                s.lookup_stats.settle(n - 1)
+                s.lookup_cal.settle(n - 1)
             accepted[source] = accepted.get(source, 0) + n - 1
             return row
         s.lookup_stats.observe(step_events(cands, row))

@@ -50,7 +50,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -687,6 +687,38 @@ def _priced(profile: CostProfile, topks: tuple[int, ...], max_depth: int,
     return grid, plain
 
 
+@dataclass
+class Calibration:
+    """What chosen trees accepted against what their evidence promised them, as decayed sums
+    (DECAY: about the last 20 trees; PRIOR drafts of pseudo-evidence on both sides, so 1 at the
+    start). ``factor``, at most 1, scales the evidence of the next choices: a policy picks the
+    tree whose evidence ran luckiest. On the widened 1B pair at T = 1 (Zen 4 EPYC, 2 threads)
+    head trees chosen for 1.9 accepted drafts accepted 0.6, and 4-node lookup trees chosen for
+    1.63 tokens a step yielded 1.21 (docs/tree_policy.md §5, docs/lookup.md §6). The auto tree
+    and each sequence's prompt lookup keep one each, per request."""
+
+    DECAY: ClassVar[float] = 0.95
+    PRIOR: ClassVar[float] = 2.0
+    accepted: float = 0.0
+    promised: float = 0.0
+    pending: float | None = None  # a promise awaiting its step's outcome (settle)
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, (self.accepted + self.PRIOR) / (self.promised + self.PRIOR))
+
+    def add(self, accepted: float, promised: float) -> None:
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.promised = self.DECAY * self.promised + promised
+
+    def settle(self, accepted: float) -> None:
+        """The step of the pending promise accepted ``accepted`` drafts (nothing pending: no
+        change)."""
+        if self.pending is not None:
+            self.add(accepted, self.pending)
+            self.pending = None
+
+
 class AutoTree:
     """The cost model's choice of tree per step (see the module docstring).
 
@@ -725,12 +757,6 @@ class AutoTree:
     # (~0.1 ms) was ~3% of a plain step of the default pair.
     RECHECK = 8
     CHECK_STEPS, CONTRADICTION = 8, 1.5  # steps 2..9 of a kept profile; measured / predicted
-    # The evidence is scaled by what trees accepted against what it promised them: a decayed
-    # window of ~20 tree steps, CAL_PRIOR drafts of pseudo-evidence at 1, capped at 1. The tree
-    # the search picks is the one whose recent window ran luckiest; on the widened 1B pair at
-    # T = 1 (Zen 4 EPYC, 2 threads) head trees chosen for 1.9 accepted drafts accepted 0.6
-    # (docs/tree_policy.md §5).
-    CAL_DECAY, CAL_PRIOR = 0.95, 2.0
 
     def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False) -> None:
         self.bound = bound
@@ -757,7 +783,7 @@ class AutoTree:
         self.contradicted = False
         self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
         self.promised: dict[TreeConfig, float] = {}  # a chosen tree's drafts, by the evidence
-        self.cal_real = self.cal_promised = 0.0  # decayed sums: accepted, and promised
+        self.calibration = Calibration()  # of the chosen trees (a batch observes each per row)
         self.learns = False  # repriced as its profile learns from real steps (CostLearner)
 
     def reprice(self, profile: CostProfile) -> None:
@@ -784,11 +810,6 @@ class AutoTree:
                                             self.sizes, batch)  # fmt: skip
 
     @property
-    def calibration(self) -> float:
-        """Accepted drafts / what the evidence promised, over the recent tree steps: <= 1."""
-        return min(1.0, (self.cal_real + self.CAL_PRIOR) / (self.cal_promised + self.CAL_PRIOR))
-
-    @property
     def probe_share(self) -> float:
         """What probes lost against plain steps / all predicted time so far."""
         return self.probe_loss_s / self.total_s if self.total_s > 0 else 0.0
@@ -798,7 +819,7 @@ class AutoTree:
         (optimistic) only among trees predicted to cost at most PROBE_COST plain steps."""
         est = np.stack([st.expected(optimistic) for st in self.stats.values()])
         if not optimistic:
-            est = est * self.calibration
+            est = est * self.calibration.factor
         emitted = np.minimum(1.0 + est, wanted)
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
         sizes = np.array(self.sizes)[None, None, :]
@@ -901,9 +922,8 @@ class AutoTree:
             self.probe_risk -= refund
             self.probe_loss_s -= refund
         promised = self.promised.get(cfg)
-        if promised is not None:  # calibration
-            self.cal_real = self.CAL_DECAY * self.cal_real + (n - 1)
-            self.cal_promised = self.CAL_DECAY * self.cal_promised + promised
+        if promised is not None:
+            self.calibration.add(n - 1, promised)
         if cfg.topk in self.stats:
             self.stats[cfg.topk].add(depths, accepted, cfg.depth)
 

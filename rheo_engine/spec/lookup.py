@@ -83,31 +83,11 @@ class LookupStats:
     Depths past ``DEPTHS`` share the last cell."""
 
     DEPTHS = 6
-    # What lookup trees accepted against what the evidence promised them when chosen (decayed
-    # sums over ~20 lookup steps, CAL_PRIOR drafts of pseudo-evidence at 1): the policy picks
-    # the matches whose evidence ran luckiest, so on the widened 1B pair at T = 1 (Zen 4 EPYC)
-    # 4-node lookup trees chosen for 1.63 tokens yielded 1.21 (docs/lookup.md §6).
-    CAL_DECAY, CAL_PRIOR = 0.95, 2.0
     prior: float = 0.5
     prior_weight: float = 1.0
     decay: float = 0.95
     tried: dict[tuple[int, int], float] = field(default_factory=dict)
     held: dict[tuple[int, int], float] = field(default_factory=dict)
-    cal_real: float = 0.0
-    cal_promised: float = 0.0
-    promised: float | None = None  # the running lookup tree's promise, until it is settled
-
-    @property
-    def calibration(self) -> float:
-        """Accepted lookup drafts / what the evidence promised, over recent lookup trees: <= 1."""
-        return min(1.0, (self.cal_real + self.CAL_PRIOR) / (self.cal_promised + self.CAL_PRIOR))
-
-    def settle(self, accepted: int) -> None:
-        """A lookup tree's step accepted ``accepted`` drafts against its promise (if any)."""
-        if self.promised is not None:
-            self.cal_real = self.CAL_DECAY * self.cal_real + accepted
-            self.cal_promised = self.CAL_DECAY * self.cal_promised + self.promised
-            self.promised = None
 
     def _cell(self, n: int, depth: int) -> tuple[int, int]:
         return (min(n, MAX_N), min(depth, self.DEPTHS))
