@@ -58,7 +58,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   dtype_of(q, "q", /*allow_float64=*/false);
   check_dtype(k, "k", q.scalar_type());
   check_dtype(v, "v", q.scalar_type());
-  check_buffer(tree_mask, "tree_mask", at::kByte, {B, N, N}, "[B, N, N]");
+  check_shape(tree_mask, "tree_mask", {B, N, -1}, "[B, N, T] (T tree rows; N for a target's tree)");
+  check_buffer(tree_mask, "tree_mask", at::kByte, {B, N, tree_mask.size(2)}, "[B, N, T]");
   check_buffer(out, "out", q.scalar_type(), {B, N, H, D}, "[B, N, H, D]");
   check_same_device(k, "k", q, "q");
   check_same_device(v, "v", q, "q");
@@ -73,9 +74,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   RHEO_CHECK(H % Hkv == 0, "H=", H, " heads is not a multiple of Hkv=", Hkv,
              " KV heads (GQA needs H % Hkv == 0)");
   RHEO_CHECK(prefix_len >= 0, "prefix_len must be >= 0, got ", prefix_len);
-  RHEO_CHECK(prefix_len + N <= Lc, "prefix_len + N must be <= Lc (the cache holds the prefix, ",
-             "then the N tree rows), got prefix_len=", prefix_len, ", N=", N, ", Lc=", Lc,
-             "; write the tree's K/V into the cache first");
+  const int64_t T = tree_mask.size(2);
+  RHEO_CHECK(prefix_len + T <= Lc, "prefix_len + T must be <= Lc (the cache holds the prefix, ",
+             "then the T tree rows of tree_mask [B, N, T]), got prefix_len=", prefix_len, ", T=", T,
+             ", Lc=", Lc, "; write the tree's K/V into the cache first");
 }
 
 }  // namespace
@@ -96,6 +98,7 @@ void tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   args.N = q.size(1);
   args.H = q.size(2);
   args.D = q.size(3);
+  args.T = tree_mask.size(2);
   args.Hkv = k.size(2);
   args.prefix_len = prefix_len;
   if (prefix_lens) args.prefix_lens = prefix_lens->const_data_ptr<int32_t>();

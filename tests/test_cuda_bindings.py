@@ -204,6 +204,13 @@ def test_tree_attention_through_its_wrapper(side, monkeypatch, dtype):
                                       kv_slots=to(slots))  # fmt: skip
 
     assert_close(*both(side, monkeypatch, ragged), tol)
+    # a draft head's level: 3 queries over 11 tree rows (tree_mask [B, N, T]), from a pool
+    from test_tree_attention import level_inputs
+
+    q, k, v, mask = level_inputs(2, 3, 11, 9, 3, 64, 50, dtype, seed=16)
+    lens = torch.tensor([50, 7], dtype=torch.int32)
+    assert_close(*both(side, monkeypatch, lambda to: kernels.tree_attention(
+        to(q), to(k), to(v), to(mask), 50, prefix_lens=to(lens))), tol)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

@@ -193,8 +193,9 @@ def _good():
         (lambda q, k, v, m: (q.double(), k.double(), v.double(), m, 2), "float32, float16 or"),
         (lambda q, k, v, m: (q[:, :, :3], k, v, m, 2), r"H=3 heads is not a multiple of Hkv=2"),
         (lambda q, k, v, m: (q, k, v, m, -1), "prefix_len must be >= 0, got -1"),
-        (lambda q, k, v, m: (q, k, v, m, 3), r"prefix_len \+ N must be <= Lc.*Lc=5"),
-        (lambda q, k, v, m: (q, k, v, m[:, :2], 2), r"tree_mask must be \[B, N, N\]"),
+        (lambda q, k, v, m: (q, k, v, m, 3), r"prefix_len \+ T must be <= Lc.*T=3, Lc=5"),
+        (lambda q, k, v, m: (q, k, v, F.pad(m, (0, 1)), 2), r"prefix_len \+ T must be.*T=4, Lc=5"),
+        (lambda q, k, v, m: (q, k, v, m[:, :2], 2), r"tree_mask must be \[B, N, T\]"),
         (lambda q, k, v, m: (q, k, v, m.bool(), 2), "tree_mask must have dtype"),
         (lambda q, k, v, m: (q, k, v[:, :4], m, 2), r"v must be \[B, Lc, Hkv, D\]"),
         (lambda q, k, v, m: (q, k[..., :4], v, m, 2), r"k must be \[B, Lc, Hkv, D\]"),
@@ -212,6 +213,50 @@ def test_bad_input_raises_value_error(change, match):
     q, k, v, mask, prefix_len = change(*_good())
     with pytest.raises(ValueError, match=match):
         kernels.tree_attention(q, k, v, mask, prefix_len)
+
+
+def level_inputs(B, N, T, H, Hkv, D, prefix_len, dtype, seed):
+    """A draft head's level: N queries over T > N tree rows (earlier levels' nodes, then the
+    level's own), mask [B, N, T]: each node sees a random subset of the earlier rows and itself."""
+    gen = torch.Generator().manual_seed(seed)
+    Lc = prefix_len + T + 3
+    q = torch.randn(B, N, H, D, generator=gen).to(dtype)
+    k = torch.randn(B, Lc, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, Lc, Hkv, D, generator=gen).to(dtype)
+    mask = (torch.rand(B, N, T, generator=gen) < 0.3).to(torch.uint8)
+    mask[:, :, T - N :] = torch.eye(N, dtype=torch.uint8)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,N,T,H,Hkv,D,prefix_len", [(1, 1, 9, 9, 3, 64, 200),
+                                                      (2, 4, 20, 8, 2, 32, 33), (1, 3, 3, 4, 1, 16, 0)])
+def test_more_tree_rows_than_queries(dtype, B, N, T, H, Hkv, D, prefix_len):
+    """tree_mask [B, N, T]: N queries see the prefix and the tree rows their mask allows. Each
+    query's output is bit for bit its own row of the same rows queried by all T nodes (a query's
+    sums do not depend on the other queries), and matches the reference."""
+    q, k, v, mask = level_inputs(B, N, T, H, Hkv, D, prefix_len, dtype, seed=B * 100 + T)
+    out = kernels.tree_attention(q, k, v, mask, prefix_len)
+    ref = reference.tree_attention_ref(q, k, v, mask, prefix_len)
+    tol = 2e-6 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    # the same rows queried by T nodes whose last N are these (the first T - N see everything)
+    q_all = torch.cat((torch.randn(B, T - N, H, D).to(dtype), q), 1)
+    mask_all = torch.cat((torch.ones(B, T - N, T, dtype=torch.uint8), mask), 1)
+    assert torch.equal(kernels.tree_attention(q_all, k, v, mask_all, prefix_len)[:, T - N :], out)
+
+
+def test_more_tree_rows_ragged_from_pool():
+    """[B, N, T] masks with per-sequence prefixes and slots: each sequence as if alone."""
+    q, k, v, mask = level_inputs(3, 2, 7, 6, 2, 32, 0, torch.float32, seed=5)
+    pool_k, pool_v = torch.randn(4, 40, 2, 32), torch.randn(4, 40, 2, 32)
+    lens, slots = [12, 0, 30], [2, 3, 0]
+    out = kernels.tree_attention(q, pool_k, pool_v, mask, 30, prefix_lens=_i32(lens),
+                                 kv_slots=_i32(slots))  # fmt: skip
+    for b in range(3):
+        alone = kernels.tree_attention(q[b : b + 1], pool_k[slots[b] : slots[b] + 1],
+                                       pool_v[slots[b] : slots[b] + 1], mask[b : b + 1], lens[b])
+        assert torch.equal(out[b : b + 1], alone)
 
 
 def test_bad_input_names_gqa_rule_exactly():
@@ -314,7 +359,7 @@ def _i32(values):
         (lambda *a: (*a[:5], _i32([[0, 3, 17, 70]]), a[6]), r"prefix_lens must be \[B\]"),
         (lambda *a: (*a[:6], None), r"k must be \[B, Lc, Hkv, D\] with B=4.*pass kv_slots"),
         (lambda *a: (a[0], a[1], a[2][:5], *a[3:]), r"v must be \[S, Lc, Hkv, D\]"),
-        (lambda *a: (*a[:4], 76, *a[5:]), r"prefix_len \+ N must be <= Lc"),
+        (lambda *a: (*a[:4], 76, *a[5:]), r"prefix_len \+ T must be <= Lc"),
     ],
 )
 def test_ragged_bad_input_raises_value_error(change, match):

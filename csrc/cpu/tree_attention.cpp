@@ -364,7 +364,7 @@ void gather_queries(const TreeAttentionArgs& a, const Task& t, int64_t G, Worksp
 inline bool allowed(const TreeAttentionArgs& a, const Task& t, int64_t G, int64_t m, int64_t j) {
   if (j < t.prefix) return true;
   const int64_t n = t.n0 + m / G;
-  return a.tree_mask[(t.b * a.N + n) * a.N + (j - t.prefix)] != 0;
+  return a.tree_mask[(t.b * a.N + n) * tree_rows(a) + (j - t.prefix)] != 0;
 }
 
 inline int64_t kv_offset(const TreeAttentionArgs& a, const Task& t, int64_t j) {
@@ -484,7 +484,7 @@ void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspa
 
 void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws, ExpRow exp_row) {
   gather_queries(a, t, G, ws);
-  const int64_t L = t.prefix + a.N;  // cache rows any node of sequence b may see
+  const int64_t L = t.prefix + tree_rows(a);  // cache rows any node of sequence b may see
   for (int64_t j0 = 0; j0 < L; j0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, L - j0);
     score_tile(a, t, G, j0, rows, ws);

@@ -21,7 +21,7 @@
 // splits in split order with a log-sum-exp merge, so the result does not depend on the schedule.
 // One split (short prefix or a full grid) writes the output directly and needs no workspace.
 // Ragged batches (prefix_lens): the plan is made on the host from prefix_len, the bound of every
-// P_b, since the P_b live on the device. A block clips its key range to its own P_b + N; a block
+// P_b, since the P_b live on the device. A block clips its key range to its own P_b + T; a block
 // whose range starts past it runs no tile and writes the empty partial (max -inf, sum 0, acc 0),
 // which the merge skips (weight exactly 0), so such a block costs a launch and nothing else.
 //
@@ -119,7 +119,7 @@ Plan make_plan(const TreeAttentionArgs& a) {
   p.M = a.N * p.G;
   p.row_tiles = (p.M + kRows - 1) / kRows;
   p.vec = static_cast<int>((a.D + kColsPerVec - 1) / kColsPerVec);
-  const int64_t L = a.prefix_len + a.N;  // keys any row may see
+  const int64_t L = a.prefix_len + tree_rows(a);  // keys any row may see
   const int64_t key_tiles = (L + kKeys - 1) / kKeys;
   const int64_t blocks = a.B * a.Hkv * p.row_tiles;  // per split
   const int64_t by_length = (L + kKeysPerSplit - 1) / kKeysPerSplit;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
     const int64_t s_b = a.kv_slots[b];
     slot = s_b < 0 ? 0 : s_b < a.S ? s_b : a.S - 1;
   }
-  const int64_t L = prefix + a.N;  // keys this sequence's rows may see
+  const int64_t L = prefix + tree_rows(a);  // keys this sequence's rows may see
   const int64_t j_begin = split * p.tiles_per_split * kKeys;
   const int64_t j_end = j_begin + p.tiles_per_split * kKeys < L
                             ? j_begin + p.tiles_per_split * kKeys
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int64_t m = m0 + ty * kRowsPerThread + i;
     row_ok[i] = m < p.M;
-    mask_row[i] = a.tree_mask + (b * a.N + (row_ok[i] ? m / p.G : 0)) * a.N;
+    mask_row[i] = a.tree_mask + (b * a.N + (row_ok[i] ? m / p.G : 0)) * tree_rows(a);
   }
 
   // Online softmax state. run_sum is this thread's share (its keys); the 16 threads of a row
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
       }
     } else {
       // This split's partial: acc [splits, rows, D], then (max, sum) [splits, rows, 2]. Written by
-      // every block, also one whose key range lies past P_b + N (max -inf: the merge skips it).
+      // every block, also one whose key range lies past P_b + T (max -inf: the merge skips it).
       float* ws_acc = a.workspace + (split * rows_total + row) * a.D;
       for (int c = 0; c < 4 * kVec; ++c) {
         const int d = kColsPerVec * (c / 4) + 4 * tx + c % 4;
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
 
 // grid = ceil(rows * D / kMergeThreads): one thread per output element. out = sum_s acc_s f_s /
 // sum_s sum_s f_s with f_s = exp(max_s - top), splits added in order s = 0, 1, ...; a split that
-// saw nothing (max_s = -inf: all its keys masked, or its range past the sequence's P_b + N) adds
+// saw nothing (max_s = -inf: all its keys masked, or its range past the sequence's P_b + T) adds
 // nothing, exactly; a row that saw nothing in any split (top = -inf) gets zeros.
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(TreeAttentionArgs a, Plan p) {

@@ -438,10 +438,12 @@ def tree_attention(
     """Attention of q [B, N, H, D] over k, v [B, Lc, Hkv, D] (prefix + tree) -> [B, N, H, D].
 
     ``tree_mask`` [B, N, N] uint8 marks each node's ancestors and itself; every node sees the
-    whole prefix (rows 0..prefix_len-1 of the cache); tree rows start at ``prefix_len``.
+    whole prefix (rows 0..prefix_len-1 of the cache); tree rows start at ``prefix_len``. A mask
+    [B, N, T] with T tree rows for N queries: node i sees tree row j where it is 1 (a draft
+    head's level: its nodes over the rows of earlier levels and their own, models/eagle3_drafter).
 
     A ragged batch from a KV pool: ``prefix_lens`` [B] int32 gives each sequence's prefix
-    length P_b (it sees rows 0..P_b-1, its tree rows are P_b..P_b+N-1) and ``kv_slots`` [B] int32
+    length P_b (it sees rows 0..P_b-1, its tree rows are P_b..P_b+T-1) and ``kv_slots`` [B] int32
     the slot of k, v [S, Lc, Hkv, D] that holds it (any S; without it S = B, slot b). Both live
     on q's device: the caller uploads them once per forward and reuses them for every layer.
     ``prefix_len`` must then be max(prefix_lens) (or any bound of them), known on the host: the

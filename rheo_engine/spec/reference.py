@@ -270,7 +270,7 @@ def tree_attention_ref(
     """Tree attention: q [B, N, H, D] over k, v [B, Lc, Hkv, D] -> [B, N, H, D] in q's dtype.
 
     Node i sees cache rows 0..prefix_len-1 (the prefix) and tree row prefix_len + j where
-    tree_mask[b, i, j] = 1; query head h reads KV head h // (H // Hkv). Scores, softmax and the
+    tree_mask[b, i, j] = 1 (tree_mask [B, N, T]: T tree rows, N for a target's tree); query head h reads KV head h // (H // Hkv). Scores, softmax and the
     V sum run in ``compute_dtype`` (float32; the tests also run it in bf16/fp16 to measure
     plain torch's rounding noise). A node that sees no row gets zeros.
     ``prefix_lens`` [B] (list or tensor) gives sequence b its own prefix length instead of
@@ -292,7 +292,7 @@ def tree_attention_ref(
     B, N, H, D = q.shape
     group = H // k.shape[2]
     scale = D**-0.5 if scale is None else scale
-    rows = prefix_len + N
+    rows = prefix_len + tree_mask.shape[2]
     qc = q.to(compute_dtype).transpose(1, 2)  # [B, H, N, D]
     # [B, H, L, D]: each KV head repeated for the `group` query heads that read it (GQA)
     kc = k[:, :rows].to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)

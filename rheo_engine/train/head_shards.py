@@ -62,6 +62,20 @@ def available_shards(data: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in data.glob("shard_*.npz"))
 
 
+def parse_shards(text: str) -> set[int]:
+    """"2-24,30" -> {2, ..., 24, 30}."""
+    ids: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            ids.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected shard ids like 2-24,30") from None
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r}: names no shard; e.g. 2-24,30")
+    return ids
+
+
 def draft_vocabulary_of(seqs: list[tuple[np.ndarray, int]], V: int, Vd: int) -> torch.Tensor:
     """The Vd most frequent reply tokens (ties by lower id), ascending; all ids when Vd is 0/V."""
     if Vd in (0, V):
@@ -142,6 +156,12 @@ def features_of(a: argparse.Namespace, target: LlamaModel, layers: tuple[int, ..
     train_ids = [i for i in available_shards(a.data) if i not in VAL_SHARDS]
     if a.evaluate is not None:
         return val, None, train_ids
+    if a.shards is not None:
+        missing = sorted(set(a.shards) - set(train_ids))
+        if missing:
+            raise FileNotFoundError(f"--shards: no training shard {missing} in {a.data} (held-out "
+                                    f"{list(VAL_SHARDS)} never train); pick from {train_ids}")
+        train_ids = [i for i in train_ids if i in a.shards]
     if not train_ids:
         raise FileNotFoundError(f"no training shards (2..) in {a.data}")
     parts = []
@@ -164,6 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--evaluate", type=Path, help="only evaluate this head on the held-out shards")
     p.add_argument("--features-only", action="store_true",
                    help="compute and keep every shard's features in --work, then stop")
+    p.add_argument("--shards", type=parse_shards,
+                   help="training shards to use, e.g. 2-24 or 2,5,30-46 (default: all of 2..); "
+                        "two --features-only jobs on disjoint ranges share one --work")
     p.add_argument("--init-from", type=Path,
                    help="start from this head (its weights, feature layers, draft vocabulary)")
     p.add_argument("--minutes", type=float, default=60.0)
