@@ -254,6 +254,40 @@ def test_expand_equals_recomputing_each_path(target: LlamaModel, head: Eagle3Hea
         torch.testing.assert_close(root[b], ref, atol=1e-4, rtol=1e-4)
 
 
+def _expand_three_levels(drafter: Eagle3Drafter, B: int, K: int = 3) -> list[torch.Tensor]:
+    """root_logits and three levels with fixed random parents and tokens: every level's logits."""
+    g = torch.Generator().manual_seed(7)
+    outs, n_parents = [drafter.root_logits()], 1
+    for level in (1, 2, 3):
+        parent_rank = torch.randint(0, n_parents, (B, K), generator=g)
+        tokens = torch.randint(0, V, (B, K), generator=g)
+        outs.append(drafter.expand(level, parent_rank, tokens))
+        n_parents = K
+    return outs
+
+
+@pytest.mark.parametrize("tree_rows", [128, 0])
+def test_levels_in_the_pool_equal_the_gathered_levels(head: Eagle3Head, monkeypatch, tree_rows):
+    """The CPU's in-pool levels (their K/V in the slots after each m, read in place by the tree
+    attention kernel) against the gathered path (the committed rows and the levels' K/V copied
+    beside them), a ragged batch of three in scattered slots. With no scratch rows the slot of
+    the longest sequence runs out at level 3 and the tree continues on the gathered path."""
+    assert head.attends_in_pool()
+    monkeypatch.setattr(Eagle3Drafter, "TREE_ROWS", tree_rows)
+    outs = {}
+    for in_pool in (True, False):
+        monkeypatch.setattr(Eagle3Head, "attends_in_pool", lambda self, v=in_pool: v)
+        drafter = Eagle3Drafter(head, max_len=16, slots=4)
+        for slot, n in ((3, 10), (0, 4), (2, 7)):
+            features, next_tokens = prompt_pairs(1, n, seed=slot)
+            drafter.prefill(features, next_tokens, slots=[slot])
+        drafter.begin([3, 0, 2])
+        outs[in_pool] = _expand_three_levels(drafter, B=3)
+        assert drafter._in_pool == (in_pool and tree_rows > 0)
+    for got, want in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32 summation order
+
+
 def _accept_longest_path(tree: kernels.Tree, bonus: int) -> kernels.Verdict:
     """A verdict accepting the first longest root-to-leaf path of the tree (batch entry 0)."""
     rows = tree.retrieve_indices[0]

@@ -523,10 +523,47 @@ class Eagle3Head:
         """layer() on the fused kernels: the same math (HF roundings; the norms' variance summed
         in double, ~1 ulp from torch's) in 39 top-level operators a level with logits() instead
         of 109 (bench/op_count.py)."""
+        q, k, v = self._fused_qkv(h, tokens, positions)
+        attn = _attention(q, torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), mask)
+        return self._fused_rest(h, attn), k, v
+
+    def attends_in_pool(self) -> bool:
+        """Whether layer_in_pool runs here: the fused CPU path (the tree attention kernel reads
+        the pool's rows where they are; CUDA keeps layer(), which its captured draft loop uses)."""
+        return self.fused and self.device.type == "cpu" and self.dtype in (torch.bfloat16,
+                                                                             torch.float32)
+
+    def layer_in_pool(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        write: tuple,
+        tree_mask: torch.Tensor,
+        prefix_len: int,
+        prefix_lens: torch.Tensor | None = None,
+        kv_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """layer() over a KV pool [S, L, Hkv, D] (attends_in_pool() only): the n pairs' rotated
+        k, v go into ``pool_k[write]``, ``pool_v[write]`` (an index of [B, n] rows: the rows
+        after the earlier ones the mask names), then each pair attends to its slot's first P_b
+        rows and the rows after them that tree_mask [B, n, T] uint8 allows (kernels.
+        tree_attention: no copy of the visible rows, no float copy, no repeat per query head).
+        Returns h2 [B, n, H]. The same math as layer(); the attention sums in another order."""
+        q, k, v = self._fused_qkv(h, tokens, positions)
+        pool_k[write], pool_v[write] = k, v
+        attn = kernels.tree_attention(q, pool_k, pool_v, tree_mask, prefix_len,
+                                      prefix_lens=prefix_lens, kv_slots=kv_slots)  # fmt: skip
+        return self._fused_rest(h, attn)
+
+    def _fused_qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """The fused layer up to its attention: rotated q [B, n, Hq, D], k and v [B, n, Hkv, D]."""
         c, w = self.cfg, self.w
         B, n, _ = h.shape
         Hq, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        w_qkv, w_gate_up, inv_freq = self._fused_weights()
+        w_qkv, _, inv_freq = self._fused_weights()
         e = self.embed(tokens)  # [B, n, H]
         # docs/eagle3_format.md §7: embedding half first; the residual is the un-normed h.
         _, e_normed = kernels.add_rms_norm(e, w["midlayer.input_layernorm.weight"], eps)
@@ -535,12 +572,16 @@ class Eagle3Head:
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, n, D/2]
         cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
         q, k = kernels.rope_qk(qkv, cos, sin, Hq, Hkv)  # [B, n, Hq, D], [B, n, Hkv, D]
-        v = qkv[..., (Hq + Hkv) * D :].view(B, n, Hkv, D)
-        attn = _attention(q, torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), mask)
-        o = linear(attn.reshape(B, n, -1), w["midlayer.self_attn.o_proj.weight"])
+        return q, k, qkv[..., (Hq + Hkv) * D :].view(B, n, Hkv, D)
+
+    def _fused_rest(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The fused layer after its attention [B, n, Hq, D]: h2 [B, n, H]."""
+        w, eps = self.w, self.cfg.rms_norm_eps
+        _, w_gate_up, _ = self._fused_weights()
+        o = linear(attn.reshape(*h.shape[:2], -1), w["midlayer.self_attn.o_proj.weight"])
         h1, y = kernels.add_rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps, o)
         mlp = kernels.silu_mul(linear(y, w_gate_up))  # [B, n, intermediate]
-        return h1 + linear(mlp, w["midlayer.mlp.down_proj.weight"]), k, v
+        return h1 + linear(mlp, w["midlayer.mlp.down_proj.weight"])
 
 
 def _stacked(parts: list) -> torch.Tensor | QuantWeight:

@@ -5,8 +5,12 @@ Each sequence's committed pairs (target feature of token j, token j + 1) live at
 j in its slot of a SlotPool (one layer; the slots are the target pool's, handed out by the
 decoder). Tree levels are scratch: level l runs its frontier nodes at position m + l - 1
 (m = the sequence's committed pairs), each seeing the committed pairs, its ancestors among
-earlier frontier nodes and itself; their K/V lives outside the pool and is dropped at commit,
-where the accepted pairs are recomputed from the target's features, as EAGLE does. A step's
+earlier frontier nodes and itself; their K/V is dropped at commit, where the accepted pairs are
+recomputed from the target's features, as EAGLE does. On the CPU's fused path the levels' K/V
+goes into the slot's rows after its m (``TREE_ROWS`` scratch rows past max_len keep room for a
+tree) and the tree attention kernel reads the slot in place: a level copies nothing of the
+committed rows (Eagle3Head.layer_in_pool). Elsewhere (CUDA, the torch path) the levels' K/V is
+kept beside the committed rows, which each level gathers. A step's
 head forwards run over the batch with per-sequence positions and masks that hide the rows past
 each sequence's own m.
 
@@ -33,18 +37,24 @@ class Eagle3Drafter:
     Eagle3Head. Until ``begin`` names others, a step runs slots 0..slots-1 in order (one
     sequence: ``Eagle3Drafter(head, max_len)`` and no slot arguments at all)."""
 
+    # Rows of each slot past max_len for a tree's levels (the in-pool path): a tree of more
+    # expanded nodes than the room left after a slot's m continues on the gathered path.
+    TREE_ROWS = 128
+
     def __init__(self, head: Eagle3Head, max_len: int, slots: int = 1) -> None:
         if max_len < 1 or slots < 1:
             raise ValueError(f"max_len={max_len} and slots={slots} must be >= 1")
         c = head.cfg
         self.head = head
-        self.pool = head.new_pool(max_len, slots)  # committed pairs only
+        # committed pairs at 0..m-1; the in-pool path's tree rows after them
+        self.pool = head.new_pool(max_len + self.TREE_ROWS, slots)
         self.max_len = max_len
         self._last_h = torch.zeros(slots, c.hidden_size, dtype=head.dtype, device=head.device)
         self._pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
         self._pending_rows = [0] * slots
         self.slots: list[int] = list(range(slots))  # the batch of the current step
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
+        self._in_pool = False  # this tree's levels in the slots (root_logits decides)
 
     def waiting(self, slot: int = 0) -> int:
         """Pairs of a slot queued since the head last ran: its next draft runs them first."""
@@ -207,6 +217,29 @@ class Eagle3Drafter:
         m = [self.pool.lengths[s] for s in self.slots]
         m_max = max(m)
         i64 = dict(dtype=torch.long, device=dev)
+        self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
+        self._level = 0
+        if self.head.attends_in_pool():  # the levels' rows go into the slots (expand)
+            self._in_pool = True
+            self._m = m_max if B == 1 else torch.tensor(m, **i64).view(B, 1)
+            self._m_list = m
+            slots_i32 = torch.tensor(self.slots, dtype=torch.int32, device=dev)
+            self._pool_args = (slots_i32, torch.tensor(m, dtype=torch.int32, device=dev))
+            self._frontier_h = self._last_h[slots_i32.long()].unsqueeze(1)  # [B, 1, H]
+            return self.head.logits(self._frontier_h[:, 0])
+        self._in_pool = False
+        self._gather_committed(m)
+        c = self.head.cfg
+        self._tree_k = self._tree_v = torch.zeros(
+            B, 0, c.num_key_value_heads, c.head_dim, dtype=self.head.dtype, device=dev
+        )
+        return self.head.logits(self._frontier_h[:, 0])
+
+    def _gather_committed(self, m: list[int]) -> None:
+        """The gathered path's state: the step's committed rows [B, m_max] and which of them
+        each sequence sees, its m, and each root's h."""
+        dev, B, m_max = self.head.device, len(self.slots), max(m)
+        i64 = dict(dtype=torch.long, device=dev)
         if B == 1:  # views of the slot, and nothing uploaded
             s = self.slots[0]
             self._m = m_max
@@ -222,13 +255,18 @@ class Eagle3Drafter:
             self._committed_v = self.pool.v[0, slots, rows]
             self._seen = rows < self._m  # [B, m_max]: the rows each sequence sees
             self._frontier_h = self._last_h[slots.view(B)].unsqueeze(1)  # [B, 1, H]
-        c = self.head.cfg
-        self._tree_k = self._tree_v = torch.zeros(
-            B, 0, c.num_key_value_heads, c.head_dim, dtype=self.head.dtype, device=dev
-        )
-        self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
-        self._level = 0
-        return self.head.logits(self._frontier_h[:, 0])
+
+    def _leave_pool(self) -> None:
+        """Continue a tree on the gathered path: its level rows so far, read from the slots."""
+        dev, B, S = self.head.device, len(self.slots), self._tree_mask.shape[2]
+        h = self._frontier_h
+        self._gather_committed(self._m_list)
+        self._frontier_h = h
+        slots = torch.tensor(self.slots, dtype=torch.long, device=dev).view(B, 1)
+        rows = torch.tensor(self._m_list, dtype=torch.long, device=dev).view(B, 1)
+        rows = rows + torch.arange(S, dtype=torch.long, device=dev).view(1, S)
+        self._tree_k, self._tree_v = self.pool.k[0, slots, rows], self.pool.v[0, slots, rows]
+        self._in_pool = False
 
     @torch.no_grad()
     def static_root_logits(self, slots: torch.Tensor, m: torch.Tensor,
@@ -243,6 +281,7 @@ class Eagle3Drafter:
         k, v = self.pool.k[0].index_select(0, slots), self.pool.v[0].index_select(0, slots)
         self._committed_k, self._committed_v = k[:, : self.max_len], v[:, : self.max_len]
         self._seen = rows < self._m  # [B, max_len]
+        self._in_pool = False
         self._frontier_h = self._last_h.index_select(0, slots).unsqueeze(1)  # [B, 1, H]
         c = self.head.cfg
         self._tree_k = self._tree_v = k.new_zeros(B, 0, c.num_key_value_heads, c.head_dim)
@@ -266,12 +305,18 @@ class Eagle3Drafter:
         ancestors = self._tree_mask.gather(1, rank.unsqueeze(2).expand(B, k, S))
         own = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)
         tree_mask = torch.cat((ancestors, own), 2)
-        m_max = self._seen.shape[1]
-        mask = torch.cat((self._seen.view(B, 1, m_max).expand(B, k, m_max), tree_mask), 2)
         if isinstance(self._m, int):  # one sequence
             positions = torch.full((B, k), self._m + level - 1, dtype=torch.long, device=dev)
         else:
             positions = (self._m + (level - 1)).expand(B, k)
+        if self._in_pool and max(self._m_list) + S + k > self.pool.k.shape[2]:
+            self._leave_pool()  # no room left after some slot's m: gather from here on
+        if self._in_pool:
+            h2 = self._expand_in_pool(h, tokens.to(dev).long(), positions, tree_mask, S)
+            self._tree_mask, self._frontier_h, self._level = tree_mask, h2, level
+            return self.head.logits(h2)
+        m_max = self._seen.shape[1]
+        mask = torch.cat((self._seen.view(B, 1, m_max).expand(B, k, m_max), tree_mask), 2)
         h2, k_new, v_new = self.head.layer(
             h, tokens.to(dev).long(), positions,
             torch.cat((self._committed_k, self._tree_k), 1),
@@ -281,6 +326,27 @@ class Eagle3Drafter:
         self._tree_v = torch.cat((self._tree_v, v_new), 1)
         self._tree_mask, self._frontier_h, self._level = tree_mask, h2, level
         return self.head.logits(h2)
+
+    def _expand_in_pool(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                        tree_mask: torch.Tensor, S: int) -> torch.Tensor:  # fmt: skip
+        """A level on the in-pool path: its k nodes' K/V into rows m_b + S .. m_b + S + k - 1
+        of each slot (after the S rows of the earlier levels), attended where they lie."""
+        B, k = tokens.shape
+        dev, m = self.head.device, self._m_list
+        slots_i32, m_i32 = self._pool_args
+        if B == 1:
+            s, r0 = self.slots[0], m[0] + S
+            prefix_lens = kv_slots = None
+            pool_k, pool_v = self.pool.k[0, s : s + 1], self.pool.v[0, s : s + 1]
+            write = (slice(None), slice(r0, r0 + k))
+        else:
+            rows = self._m + S + torch.arange(k, dtype=torch.long, device=dev).view(1, k)
+            write = (slots_i32.long().view(B, 1), rows)
+            pool_k, pool_v, prefix_lens, kv_slots = self.pool.k[0], self.pool.v[0], m_i32, slots_i32
+        return self.head.layer_in_pool(
+            h, tokens, positions, pool_k, pool_v, write, tree_mask.to(torch.uint8), max(m),
+            prefix_lens, kv_slots,
+        )  # fmt: skip
 
     def _check_expand(self, level: int, parent_rank: torch.Tensor, tokens: torch.Tensor) -> None:
         if level != self._level + 1 or self._level < 0:
