@@ -52,6 +52,8 @@ void quantize_rows_q8(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::T
                       at::Tensor& xm);
 void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t out,
                   at::Tensor& y);
+void quant_gather_rows(const at::Tensor& w, int64_t type, int64_t rows, const at::Tensor& ids,
+                       at::Tensor& out);
 
 // skinny linear (csrc/include/rheo/skinny_linear.h)
 void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);

@@ -135,4 +135,34 @@ void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_
   });
 }
 
+void quant_gather_rows(const at::Tensor& w, int64_t type, int64_t rows, const at::Tensor& ids,
+                       at::Tensor& out) {
+  const QuantType t = quant_type(type);
+  RHEO_CHECK(out.dim() == 2, "out must be [n, in], got shape ", shape_str(out.sizes()));
+  const int64_t n = out.size(0), in = out.size(1), nb = in / kQuantBlock;
+  RHEO_CHECK(in % kQuantBlock == 0, "out must have in % 32 == 0 (blocks of 32 columns), got in=", in);
+  RHEO_CHECK(rows >= 1, "rows must be >= 1 (W's rows), got ", rows);
+  check_buffer(w, "w", at::kByte, {(rows + kQuantPanel - 1) / kQuantPanel, nb, quant_record_bytes(t)},
+               "[ceil(rows / 16), in / 32, record bytes] (packed by rheo_engine.models.quant)");
+  check_buffer(ids, "ids", at::kLong, {n}, "[n] int64");
+  check_contiguous(out, "out");
+  check_same_device(ids, "ids", w, "w");
+  check_same_device(out, "out", w, "w");
+  QuantGatherArgs a;
+  a.w = static_cast<const uint8_t*>(w.const_data_ptr());
+  a.type = t;
+  a.rows = rows, a.in = in, a.n = n;
+  a.ids = ids.const_data_ptr<int64_t>();
+  a.out = out.mutable_data_ptr();
+  a.dtype = float_dtype(out, "out");
+  if (on_cuda(w, "w")) {
+#ifdef RHEO_WITH_CUDA
+    const DeviceGuard guard(w.device());
+    RHEO_CUDA_CHECK(quant_gather_rows_cuda(a, current_stream(w)));
+#endif
+    return;
+  }
+  quant_gather_rows_cpu(a);
+}
+
 }  // namespace rheo::bind

@@ -177,6 +177,9 @@ def test_quantized_linear_through_its_wrappers(side, monkeypatch, dtype, rows):
         packed = random_quant_weight(qtype, 40, 576, seed=9).packed
         same(side, monkeypatch, qtype,
              lambda to, p=packed, q=qtype: kernels.quant_linear(to(x), to(p), q, 40))  # fmt: skip
+        ids = torch.tensor([39, 0, 17, 17, 5][:rows] or [3])  # a padded last panel's row too
+        same(side, monkeypatch, f"{qtype} rows", lambda to, p=packed, q=qtype, i=ids:
+             kernels.quant_gather_rows(to(p), q, 40, to(i), dtype))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -124,6 +124,12 @@ def test_packing_round_trips_and_rows_dequantize_as_gguf(qtype):
     assert torch.equal(w.dequantize(torch.float32), torch.from_numpy(ref))
     ids = torch.tensor([[36, 0], [17, 17]])
     assert torch.equal(w.rows(ids, torch.float32), torch.from_numpy(ref)[ids])
+    # bf16: the float32 value rounded once (to nearest even); an empty lookup; a bad id
+    assert torch.equal(w.rows(ids, torch.bfloat16), torch.from_numpy(ref)[ids].bfloat16())
+    assert w.rows(torch.zeros(0, dtype=torch.long)).shape == (0, 64)
+    for bad in (37, -1):
+        with pytest.raises(ValueError, match=rf"row id {bad} \(index 1\) must be in \[0, 37\)"):
+            w.rows(torch.tensor([3, bad]))
     both = QuantWeight.cat([w, QuantWeight.from_blocks(qtype, raw[:16], (16, 64))])
     assert torch.equal(both.dequantize(), torch.cat([w.dequantize(), w.dequantize()[:16]]))
 

@@ -572,4 +572,41 @@ void quant_linear_cpu(const QuantLinearArgs& a) {
   }
 }
 
+void quant_gather_rows_cpu(const QuantGatherArgs& a) {
+  RHEO_CHECK(a.n >= 0 && a.rows >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
+             "quant_gather_rows needs n, rows >= 0 and in a multiple of 32, got n=", a.n,
+             ", rows=", a.rows, ", in=", a.in);
+  for (int64_t i = 0; i < a.n; ++i)
+    RHEO_CHECK(a.ids[i] >= 0 && a.ids[i] < a.rows, "row id ", a.ids[i], " (index ", i,
+               ") must be in [0, ", a.rows, "): a token id past the table");
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  const bool has_m = a.type == QuantType::kQ4_1;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t id = a.ids[i], r = id % kQuantPanel;
+    const uint8_t* panel = a.w + (id / kQuantPanel) * nb * rec;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* record = panel + b * rec;
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(record);
+      const float d = half_to_float(scales[r]);
+      const float m = has_m ? half_to_float(scales[kQuantPanel + r]) : 0.0f;
+      const uint8_t* codes = record + (has_m ? 64 : 32);
+      for (int64_t k = 0; k < kQuantBlock; ++k) {
+        float v;
+        if (a.type == QuantType::kQ8_0) {
+          v = d * static_cast<float>(static_cast<int8_t>(codes[(k / 4) * 64 + 4 * r + k % 4]));
+        } else {
+          const uint8_t byte = codes[((k % 16) / 4) * 64 + 4 * r + k % 4];
+          const float q = static_cast<float>(k < 16 ? (byte & 0x0F) : (byte >> 4));
+          v = a.type == QuantType::kQ4_0 ? d * (q - 8.0f) : d * q + m;  // -ffp-contract=off
+        }
+        const int64_t at = i * a.in + b * kQuantBlock + k;
+        if (a.dtype == DType::kBFloat16)
+          static_cast<uint16_t*>(a.out)[at] = float_to_bf16(v);
+        else
+          static_cast<float*>(a.out)[at] = v;
+      }
+    }
+  }
+}
+
 }  // namespace rheo

@@ -96,7 +96,52 @@ __global__ void __launch_bounds__(kThreads) quant_linear_kernel(QuantLinearArgs 
   }
 }
 
+// One thread per (row i, block b): its 32 values. -fmad=false keeps Q4_1's d * q + m two roundings.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quant_gather_rows_kernel(QuantGatherArgs a) {
+  const int64_t nb = a.in / kQuantBlock;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (t >= a.n * nb) return;
+  const int64_t i = t / nb, b = t % nb;
+  int64_t id = a.ids[i];
+  id = id < 0 ? 0 : id < a.rows ? id : a.rows - 1;  // unchecked on the device: clamped
+  const int r = static_cast<int>(id % kQuantPanel);
+  const bool has_m = a.type == QuantType::kQ4_1;
+  const uint8_t* record = a.w + ((id / kQuantPanel) * nb + b) * quant_record_bytes(a.type);
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(record);
+  const float d = half_bits_to_float(scales[r]);
+  const float m = has_m ? half_bits_to_float(scales[kQuantPanel + r]) : 0.0f;
+  const uint8_t* codes = record + (has_m ? 64 : 32);
+  T* out = static_cast<T*>(a.out) + i * a.in + b * kQuantBlock;
+  for (int k = 0; k < kQuantBlock; ++k) {
+    const float q = static_cast<float>(code_at(codes, a.type, r, k));
+    const float v = a.type == QuantType::kQ8_0   ? d * q
+                    : a.type == QuantType::kQ4_0 ? d * (q - 8.0f)
+                                                 : d * q + m;
+    out[k] = cuda::from_float<T>(v);
+  }
+}
+
 }  // namespace
+
+cudaError_t quant_gather_rows_cuda(const QuantGatherArgs& a, cudaStream_t stream) {
+  RHEO_CHECK(a.n >= 0 && a.rows >= 1 && a.in >= 0 && a.in % kQuantBlock == 0,
+             "quant_gather_rows needs n >= 0, rows >= 1 and in a multiple of 32, got n=", a.n,
+             ", rows=", a.rows, ", in=", a.in);
+  const int64_t work = a.n * (a.in / kQuantBlock);
+  if (work == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((work + kThreads - 1) / kThreads);
+  switch (a.dtype) {
+    case DType::kBFloat16:
+      quant_gather_rows_kernel<__nv_bfloat16> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a);
+      break;
+    case DType::kFloat32:
+      quant_gather_rows_kernel<float> RHEO_LAUNCH(blocks, kThreads, 0, stream)(a);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t quantize_rows_q8_cuda(const QuantRowsArgs& a, cudaStream_t stream) {
   RHEO_CHECK(a.n >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,

@@ -130,32 +130,13 @@ class QuantWeight:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W[ids] dequantized: ids [...] int -> [..., in] in ``dtype`` (default self.dtype),
         each value as gguf.quants gives it (float32 d * q, d * (q - 8) or d * q + m), rounded
-        once to the dtype."""
-        flat = ids.reshape(-1).to(self.device, torch.long)
-        cpu = flat.device.type == "cpu"  # elsewhere no check: it would read the device back
-        if cpu and flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.shape[0]):
-            raise IndexError(f"row ids must be in [0, {self.shape[0]}), got {ids.tolist()}")
-        rec = self.packed[flat // _PANEL]  # [k, nb, record]
-        lane = (flat % _PANEL).view(-1, 1, 1, 1)
-        k, nb, _ = rec.shape
-        S = _SCALES[self.qtype]
-
-        def pick(t: torch.Tensor) -> torch.Tensor:  # [k, nb, G, 16, w] -> lane's [k, nb, G, w]
-            idx = lane.unsqueeze(-1).expand(k, nb, t.shape[2], 1, t.shape[-1])
-            return t.gather(3, idx).squeeze(3)
-
-        head = rec[..., : 2 * S * _PANEL].reshape(k, nb, S, _PANEL, 2)
-        scales = pick(head).contiguous().view(torch.float16).float()  # [k, nb, S, 1]
-        d = scales[:, :, 0]  # [k, nb, 1]
-        body = rec[..., 2 * S * _PANEL :]
-        if self.qtype == "q8_0":
-            q = pick(body.reshape(k, nb, 8, _PANEL, 4)).reshape(k, nb, 32).view(torch.int8)
-            w = d * q.float()
-        else:
-            b = pick(body.reshape(k, nb, 4, _PANEL, 4)).reshape(k, nb, 16)
-            q = torch.cat([b & 0x0F, b >> 4], -1).float()  # columns 0..15, 16..31
-            w = d * (q - 8) if self.qtype == "q4_0" else d * q + scales[:, :, 1]
-        return w.reshape(*ids.shape, self.shape[1]).to(dtype or self.dtype)
+        once to the dtype: one kernel call (kernels.quant_gather_rows). An id outside the table
+        is a ValueError on the CPU (on CUDA it is clamped: checking would read the device)."""
+        flat = ids.to(self.device, torch.long).contiguous()
+        out_dtype = dtype or self.dtype
+        if out_dtype not in (torch.bfloat16, torch.float32):  # the kernel writes these two
+            return self.rows(ids, torch.float32).to(out_dtype)
+        return kernels.quant_gather_rows(self.packed, self.qtype, self.shape[0], flat, out_dtype)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.rows(ids)

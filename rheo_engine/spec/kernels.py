@@ -386,6 +386,20 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, out: int) -> torc
     return y
 
 
+def quant_gather_rows(w: torch.Tensor, qtype: str, rows: int, ids: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """W[ids] dequantized: ids [...] int64 (contiguous, on w's device) -> [..., in] in ``dtype``
+    (bf16 or fp32), W [rows, in] packed as quant_linear's. Each value as gguf.quants gives it in
+    float32 (d * q, d * (q - 8), d * q + m), rounded once to the dtype. On the CPU an id outside
+    [0, rows) is a ValueError; on CUDA it is clamped (checking would read the device)."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"qtype={qtype!r} is not one of {list(QUANT_TYPES)}")
+    nb = w.shape[1] if w.dim() == 3 else 0
+    out = torch.empty((*ids.shape, nb * 32), dtype=dtype, device=w.device)
+    _C.quant_gather_rows(w, QUANT_TYPES[qtype], rows, ids.view(-1), out.view(-1, nb * 32))
+    return out
+
+
 # --- skinny linear ------------------------------------------------------------------------
 
 

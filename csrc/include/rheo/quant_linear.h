@@ -77,11 +77,30 @@ struct QuantLinearArgs {
 // Rules: in % 32 == 0, n >= 0, x_stride >= in, y_stride >= out,
 // 0 <= p_begin <= p_end <= ceil(out / 16). A caller splits the work by giving each thread panels.
 
+// Rows of a packed W, dequantized (an embedding table kept quantized):
+//   out[i, :] = W[ids[i], :], each value as gguf.quants computes it in float32 (Q8_0 d * q;
+//   Q4_0 d * (q - 8); Q4_1 d * q + m: a product, then a sum, two roundings, no FMA), then
+//   rounded once to out's dtype (bf16: to nearest even).
+struct QuantGatherArgs {
+  const uint8_t* w = nullptr;   // [ceil(rows / 16), in / 32, quant_record_bytes(type)] packed W
+  QuantType type = QuantType::kQ8_0;
+  int64_t rows = 0, in = 0;     // W's shape [rows, in]
+  const int64_t* ids = nullptr;  // [n] row ids in [0, rows)
+  int64_t n = 0;
+  void* out = nullptr;          // [n, in] contiguous
+  DType dtype = DType::kBFloat16;  // of out: kBFloat16 or kFloat32
+};
+// Rules: in % 32 == 0, n >= 0, 0 <= ids[i] < rows. ids are host memory for the CPU kernel, which
+// checks each; device memory for the CUDA one, which clamps a bad id into range (no check without
+// a sync: the result is then meaningless, as for tree_attention's arrays).
+
 void quantize_rows_q8_cpu(const QuantRowsArgs& args);
+void quant_gather_rows_cpu(const QuantGatherArgs& args);
 void quant_linear_cpu(const QuantLinearArgs& args);
 #ifdef RHEO_WITH_CUDA
 cudaError_t quantize_rows_q8_cuda(const QuantRowsArgs& args, cudaStream_t stream);
 cudaError_t quant_linear_cuda(const QuantLinearArgs& args, cudaStream_t stream);
+cudaError_t quant_gather_rows_cuda(const QuantGatherArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace rheo
