@@ -132,6 +132,20 @@ def stories_trained_head(stories_dir: Path, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.fixture(scope="module")
+def levels_as_on_cuda():
+    """The head's eager levels on the gathered path, as on CUDA (Eagle3Head.attends_in_pool
+    False), for a module that compares the static buffers with the eager loop bit for bit: the
+    static buffers run on CUDA, where the eager loop gathers the committed rows too, while the
+    CPU's in-pool levels sum the attention in another order (models/eagle3_drafter.py)."""
+    from rheo_engine.models.eagle3 import Eagle3Head
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Eagle3Head, "attends_in_pool", lambda self: False)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a test module (`pytestmark = pytest.mark.usefixtures(
     "one_thread")`): these models are small, one thread is fastest and spares CI's cores."""

@@ -270,8 +270,9 @@ def _expand_three_levels(drafter: Eagle3Drafter, B: int, K: int = 3) -> list[tor
 def test_levels_in_the_pool_equal_the_gathered_levels(head: Eagle3Head, monkeypatch, tree_rows):
     """The CPU's in-pool levels (their K/V in the slots after each m, read in place by the tree
     attention kernel) against the gathered path (the committed rows and the levels' K/V copied
-    beside them), a ragged batch of three in scattered slots. With no scratch rows the slot of
-    the longest sequence runs out at level 3 and the tree continues on the gathered path."""
+    beside them), a ragged batch of three in scattered slots; the prompts' pairs run in one
+    padded commit first (in place too). With no scratch rows the slot of the longest sequence
+    runs out at level 3 and the tree continues on the gathered path."""
     assert head.attends_in_pool()
     monkeypatch.setattr(Eagle3Drafter, "TREE_ROWS", tree_rows)
     outs = {}

@@ -25,7 +25,7 @@ import rheo_engine.spec.step as step_module
 from rheo_engine.runtime import graphs
 from rheo_engine.spec.draft import SequenceCoins, draft_tree
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "levels_as_on_cuda")
 
 TREE = dict(tree="fixed", topk=4, depth=3, total_tokens=12)
 

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from rheo_engine.runtime import graphs
 from rheo_engine.runtime.graphs import BUCKETS, StaticTarget, bucket_for, graphs_enabled
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "levels_as_on_cuda")
 
 aten = torch.ops.aten
 # Operators that read a device value on the host (or size a tensor by one): none may run in a

@@ -523,9 +523,10 @@ class Eagle3Head:
         """layer() on the fused kernels: the same math (HF roundings; the norms' variance summed
         in double, ~1 ulp from torch's) in 39 top-level operators a level with logits() instead
         of 109 (bench/op_count.py)."""
-        q, k, v = self._fused_qkv(h, tokens, positions)
+        weights = self._fused_weights()
+        q, k, v = self._fused_qkv(h, tokens, positions, weights)
         attn = _attention(q, torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), mask)
-        return self._fused_rest(h, attn), k, v
+        return self._fused_rest(h, attn, weights), k, v
 
     def attends_in_pool(self) -> bool:
         """Whether layer_in_pool runs here: the fused CPU path (the tree attention kernel reads
@@ -552,18 +553,21 @@ class Eagle3Head:
         rows and the rows after them that tree_mask [B, n, T] uint8 allows (kernels.
         tree_attention: no copy of the visible rows, no float copy, no repeat per query head).
         Returns h2 [B, n, H]. The same math as layer(); the attention sums in another order."""
-        q, k, v = self._fused_qkv(h, tokens, positions)
+        weights = self._fused_weights()
+        q, k, v = self._fused_qkv(h, tokens, positions, weights)
         pool_k[write], pool_v[write] = k, v
         attn = kernels.tree_attention(q, pool_k, pool_v, tree_mask, prefix_len,
                                       prefix_lens=prefix_lens, kv_slots=kv_slots)  # fmt: skip
-        return self._fused_rest(h, attn)
+        return self._fused_rest(h, attn, weights)
 
-    def _fused_qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """The fused layer up to its attention: rotated q [B, n, Hq, D], k and v [B, n, Hkv, D]."""
+    def _fused_qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   weights: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The fused layer up to its attention: rotated q [B, n, Hq, D], k and v [B, n, Hkv, D]
+        (``weights``: _fused_weights())."""
         c, w = self.cfg, self.w
         B, n, _ = h.shape
         Hq, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        w_qkv, _, inv_freq = self._fused_weights()
+        w_qkv, _, inv_freq = weights
         e = self.embed(tokens)  # [B, n, H]
         # docs/eagle3_format.md §7: embedding half first; the residual is the un-normed h.
         _, e_normed = kernels.add_rms_norm(e, w["midlayer.input_layernorm.weight"], eps)
@@ -574,10 +578,10 @@ class Eagle3Head:
         q, k = kernels.rope_qk(qkv, cos, sin, Hq, Hkv)  # [B, n, Hq, D], [B, n, Hkv, D]
         return q, k, qkv[..., (Hq + Hkv) * D :].view(B, n, Hkv, D)
 
-    def _fused_rest(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _fused_rest(self, h: torch.Tensor, attn: torch.Tensor, weights: tuple) -> torch.Tensor:
         """The fused layer after its attention [B, n, Hq, D]: h2 [B, n, H]."""
         w, eps = self.w, self.cfg.rms_norm_eps
-        _, w_gate_up, _ = self._fused_weights()
+        _, w_gate_up, _ = weights
         o = linear(attn.reshape(*h.shape[:2], -1), w["midlayer.self_attn.o_proj.weight"])
         h1, y = kernels.add_rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps, o)
         mlp = kernels.silu_mul(linear(y, w_gate_up))  # [B, n, intermediate]

@@ -9,8 +9,9 @@ earlier frontier nodes and itself; their K/V is dropped at commit, where the acc
 recomputed from the target's features, as EAGLE does. On the CPU's fused path the levels' K/V
 goes into the slot's rows after its m (``TREE_ROWS`` scratch rows past max_len keep room for a
 tree) and the tree attention kernel reads the slot in place: a level copies nothing of the
-committed rows (Eagle3Head.layer_in_pool). Elsewhere (CUDA, the torch path) the levels' K/V is
-kept beside the committed rows, which each level gathers. A step's
+committed rows (Eagle3Head.layer_in_pool); a commit's pairs likewise attend in place. Elsewhere
+(CUDA, the torch path) the levels' K/V is kept beside the committed rows, which each level
+gathers. A step's
 head forwards run over the batch with per-sequence positions and masks that hide the rows past
 each sequence's own m.
 
@@ -148,17 +149,27 @@ class Eagle3Drafter:
         count_dev = torch.tensor(counts, **i32).view(B, 1)
         j = torch.arange(n, **i32).view(1, n)
         positions = m_dev + j  # [B, n]
-        seen = torch.arange(m_max, **i32).view(1, 1, m_max) < m_dev.view(B, 1, 1)
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
-        mask = torch.cat((seen.expand(B, n, m_max), causal), 2)
         slots = torch.tensor(waiting, **i32).view(B, 1)
-        past_k = self.pool.k[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
-        past_v = self.pool.v[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
-        h2, k, v = head.layer(head.fuse(features.to(dev)), tokens.to(dev), positions, past_k,
-                              past_v, mask)  # fmt: skip
-        rows = torch.where(j < count_dev, positions, self.max_len)  # padding: the scratch row
-        self.pool.k[0, slots, rows] = k
-        self.pool.v[0, slots, rows] = v
+        h = head.fuse(features.to(dev))
+        if head.attends_in_pool() and m_max + n <= self.pool.k.shape[2]:
+            # each sequence's n rows after its m (padding too: rows past its new length, which
+            # only its padding pairs see), attended in place: nothing gathered
+            i32_ = dict(dtype=torch.int32, device=dev)
+            h2 = head.layer_in_pool(
+                h, tokens.to(dev), positions, self.pool.k[0], self.pool.v[0], (slots, positions),
+                causal.to(torch.uint8).contiguous(), m_max, torch.tensor(m, **i32_),
+                torch.tensor(waiting, **i32_),
+            )  # fmt: skip
+        else:
+            seen = torch.arange(m_max, **i32).view(1, 1, m_max) < m_dev.view(B, 1, 1)
+            mask = torch.cat((seen.expand(B, n, m_max), causal), 2)
+            past_k = self.pool.k[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
+            past_v = self.pool.v[0, slots, torch.arange(m_max, **i32).view(1, m_max)]
+            h2, k, v = head.layer(h, tokens.to(dev), positions, past_k, past_v, mask)
+            rows = torch.where(j < count_dev, positions, self.max_len)  # padding: scratch row
+            self.pool.k[0, slots, rows] = k
+            self.pool.v[0, slots, rows] = v
         last = torch.tensor(counts, **i32) - 1
         self._last_h[slots.view(B)] = h2[torch.arange(B, device=dev), last]
         for s, c in zip(waiting, counts, strict=True):
@@ -194,12 +205,17 @@ class Eagle3Drafter:
         m = self.pool.lengths[slot]
         positions = (m + torch.arange(n, device=dev)).view(1, n)
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        mask = torch.cat((torch.ones(n, m, dtype=torch.bool, device=dev), causal), 1).view(1, n, -1)
         k_slot, v_slot = self.pool.k[0, slot : slot + 1], self.pool.v[0, slot : slot + 1]
-        h2, k, v = head.layer(head.fuse(features.to(dev).unsqueeze(0)),
-                              tokens.to(dev).view(1, n), positions, k_slot[:, :m],
-                              v_slot[:, :m], mask)  # fmt: skip
-        k_slot[:, m : m + n], v_slot[:, m : m + n] = k, v
+        h = head.fuse(features.to(dev).unsqueeze(0))
+        if head.attends_in_pool():  # rows m..m+n-1, attended in place (m + n <= max_len)
+            h2 = head.layer_in_pool(h, tokens.to(dev).view(1, n), positions, k_slot, v_slot,
+                                    (slice(None), slice(m, m + n)),
+                                    causal.to(torch.uint8).view(1, n, n), m)  # fmt: skip
+        else:
+            mask = torch.cat((torch.ones(n, m, dtype=torch.bool, device=dev), causal), 1)
+            h2, k, v = head.layer(h, tokens.to(dev).view(1, n), positions, k_slot[:, :m],
+                                  v_slot[:, :m], mask.view(1, n, -1))  # fmt: skip
+            k_slot[:, m : m + n], v_slot[:, m : m + n] = k, v
         self._last_h[slot] = h2[0, -1]
         self.pool.lengths[slot] += n
 
@@ -220,12 +236,16 @@ class Eagle3Drafter:
         self._tree_mask = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
         self._level = 0
         if self.head.attends_in_pool():  # the levels' rows go into the slots (expand)
-            self._in_pool = True
-            self._m = m_max if B == 1 else torch.tensor(m, **i64).view(B, 1)
-            self._m_list = m
-            slots_i32 = torch.tensor(self.slots, dtype=torch.int32, device=dev)
-            self._pool_args = (slots_i32, torch.tensor(m, dtype=torch.int32, device=dev))
-            self._frontier_h = self._last_h[slots_i32.long()].unsqueeze(1)  # [B, 1, H]
+            self._in_pool, self._m_list = True, m
+            if B == 1:  # a slice of the slot, and nothing uploaded
+                s = self.slots[0]
+                self._m, self._pool_args = m_max, None
+                self._frontier_h = self._last_h[s : s + 1].unsqueeze(1)  # [1, 1, H]
+            else:
+                self._m = torch.tensor(m, **i64).view(B, 1)
+                slots_i32 = torch.tensor(self.slots, dtype=torch.int32, device=dev)
+                self._pool_args = (slots_i32, torch.tensor(m, dtype=torch.int32, device=dev))
+                self._frontier_h = self._last_h[slots_i32.long()].unsqueeze(1)  # [B, 1, H]
             return self.head.logits(self._frontier_h[:, 0])
         self._in_pool = False
         self._gather_committed(m)
@@ -333,13 +353,13 @@ class Eagle3Drafter:
         of each slot (after the S rows of the earlier levels), attended where they lie."""
         B, k = tokens.shape
         dev, m = self.head.device, self._m_list
-        slots_i32, m_i32 = self._pool_args
         if B == 1:
             s, r0 = self.slots[0], m[0] + S
             prefix_lens = kv_slots = None
             pool_k, pool_v = self.pool.k[0, s : s + 1], self.pool.v[0, s : s + 1]
             write = (slice(None), slice(r0, r0 + k))
         else:
+            slots_i32, m_i32 = self._pool_args
             rows = self._m + S + torch.arange(k, dtype=torch.long, device=dev).view(1, k)
             write = (slots_i32.long().view(B, 1), rows)
             pool_k, pool_v, prefix_lens, kv_slots = self.pool.k[0], self.pool.v[0], m_i32, slots_i32
