@@ -237,6 +237,7 @@ def test_help_and_the_total_tokens_1_promise(capsys, monkeypatch):
         raise AssertionError("--total-tokens 1 ran a draft-head forward")
 
     monkeypatch.setattr(Eagle3Head, "layer", no_head)
+    monkeypatch.setattr(Eagle3Head, "layer_in_pool", no_head)
     monkeypatch.setattr(Eagle3Head, "fuse", no_head)
     code, out, _ = run(capsys, "--prompt", PROMPT, *FEW, "--total-tokens", "1", "--json")
     gen = json_lines(out)[0]
