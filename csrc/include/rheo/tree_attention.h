@@ -64,7 +64,7 @@ struct TreeAttentionArgs {
 };
 
 // The tree rows of args: T, or N where T < 0.
-inline int64_t tree_rows(const TreeAttentionArgs& args) { return args.T < 0 ? args.N : args.T; }
+RHEO_HOST_DEVICE int64_t tree_rows(const TreeAttentionArgs& args) { return args.T < 0 ? args.N : args.T; }
 
 void tree_attention_cpu(const TreeAttentionArgs& args);
 // The CPU kernel's softmax exponentials at the active dispatch level, 8 at a time (AVX2 + FMA or
