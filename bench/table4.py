@@ -78,9 +78,15 @@ def sequence_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, torch
         1, 0, c.num_key_value_heads, c.head_dim, dtype=head.dtype, device=head.device
     )
     causal = torch.ones(n, n, dtype=torch.bool, device=head.device).tril().unsqueeze(0)
-    h2, _, _ = head.layer(
-        head.fuse(features[:, :n]), tokens[:, 1:], positions[:, :n], empty, empty, causal
-    )
+    if head.attends_in_pool():  # as the drafter's commit runs on the CPU: K/V in a slot, in place
+        pool = head.new_pool(n, 1)
+        h2 = head.layer_in_pool(head.fuse(features[:, :n]), tokens[:, 1:], positions[:, :n],
+                                pool.k[0], pool.v[0], (slice(None), slice(0, n)),
+                                causal.to(torch.uint8), 0)  # fmt: skip
+    else:
+        h2, _, _ = head.layer(
+            head.fuse(features[:, :n]), tokens[:, 1:], positions[:, :n], empty, empty, causal
+        )
     q = head.logits(h2)[0].double().cpu()  # [n, Vd]
     q = torch.cat((torch.full_like(q[:1], float("nan")), q))
     return logits[0].double().cpu(), q
