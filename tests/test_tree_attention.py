@@ -171,6 +171,55 @@ def test_equals_causal_attention_on_each_path():
         torch.testing.assert_close(out[0, path], expected.transpose(0, 1), atol=2e-6, rtol=1e-5)
 
 
+def _one_at_a_time(q, k, v, mask, prefix_len, b, n):
+    """Query n of sequence b as a token decoded alone: its prefix and its visible tree rows
+    copied into a contiguous cache (in order), itself the one tree row."""
+    T = mask.shape[-1]
+    rows = list(range(prefix_len)) + [prefix_len + c for c in range(T) if mask[b, n, c]]
+    one = torch.ones(1, 1, 1, dtype=torch.uint8)
+    return kernels.tree_attention(q[b : b + 1, n : n + 1], k[b : b + 1, rows], v[b : b + 1, rows],
+                                  one, len(rows) - 1)[0, 0]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix_len", [0, 1, 50, 60, 62, 63, 64, 125, 190])
+def test_each_node_equals_itself_decoded_one_at_a_time(dtype, prefix_len):
+    """Greedy `rheo` equals greedy `ar` only if a node's output is bit for bit the one its token
+    gets decoded alone: the same rows in the same order of sums. The softmax's tiles follow the
+    rows a node sees, so its siblings before it (masked rows) do not push its own row into the
+    next tile: deep nodes after a prefix just short of a tile boundary catch that (a 6-node
+    tree after 60 prefix rows put SmolLM2's greedy `rheo` off `ar` in bf16)."""
+    gen = torch.Generator().manual_seed(prefix_len)
+    for N, chain in ((12, False), (40, False), (90, True)):
+        # bushy random trees, and a long chain with side branches: ranks over two or three tiles
+        mask = random_tree_mask(2, N, gen)
+        if chain:
+            mask = torch.zeros(1, N, N, dtype=torch.uint8)
+            for i in range(N):
+                parent = i - 1 if i % 3 else max(i - 2, -1)
+                mask[0, i, i] = 1
+                if parent >= 0:
+                    mask[0, i] |= mask[0, parent]
+        B, H, Hkv, D = mask.shape[0], 6, 2, 32
+        q = torch.randn(B, N, H, D, generator=gen).to(dtype)
+        k = torch.randn(B, prefix_len + N, Hkv, D, generator=gen).to(dtype)
+        v = torch.randn(B, prefix_len + N, Hkv, D, generator=gen).to(dtype)
+        out = kernels.tree_attention(q, k, v, mask, prefix_len)
+        for b in range(B):
+            for n in range(N):
+                assert torch.equal(out[b, n], _one_at_a_time(q, k, v, mask, prefix_len, b, n)), (N, b, n)
+
+
+def test_level_node_equals_itself_decoded_one_at_a_time():
+    """The same for a draft level's mask [B, N, T] (more tree rows than queries)."""
+    for prefix_len in (0, 61, 63, 200):
+        q, k, v, mask = level_inputs(2, 5, 30, 6, 2, 32, prefix_len, torch.bfloat16, seed=prefix_len)
+        out = kernels.tree_attention(q, k, v, mask, prefix_len)
+        for b in range(2):
+            for n in range(5):
+                assert torch.equal(out[b, n], _one_at_a_time(q, k, v, mask, prefix_len, b, n))
+
+
 def test_unused_cache_rows_are_never_read_and_blind_nodes_give_zeros():
     q, k, v, mask = random_inputs(1, 4, 2, 1, 8, 0, extra_rows=3, seed=19)
     k[:, 4:] = float("nan")

@@ -5,10 +5,10 @@
 // slot kv_slots[b] (or b) and rows 0..P_b+N-1 of it, P_b its prefix length, so a sequence's
 // output is the same bits whatever else is in the batch (the tiles start at row 0 for every b).
 // A task holds the M = nodes * G query rows (G = H / Hkv heads share the KV head), so each K/V row
-// is loaded (and converted from bf16/fp16) once per task and used by all M queries. The rows of
-// the cache are walked in tiles of kTileRows with an online softmax (running max and sum per
+// is loaded (and converted from bf16/fp16) once per task and used by all M queries. The rows a
+// query sees are walked in tiles of kTileRows with an online softmax (running max and sum per
 // query, as in FlashAttention), which keeps the per-thread workspace small whatever the prefix
-// length. Everything is float32: loads are converted, scores, softmax and the V accumulation too.
+// length; the tiles count the rows each query sees, not the slot's (run_task). Everything is float32: loads are converted, scores, softmax and the V accumulation too.
 //
 // A score is the sum over d in order of q[d] * k[d] (each product and sum rounded), computed
 // with the vector lanes over a tile's cache rows (K converted and transposed 8 x 8): a plain
@@ -329,20 +329,24 @@ struct Task {
 };
 
 // Per-thread scratch, sized for the largest task: Mp = M rounded up to 2 (queries go in pairs),
-// Dp = D rounded up to kDimBlock. A padded query is zero and gets weight 0.
+// Dp = D rounded up to kDimBlock, ld_p = the widest softmax tile (kTileRows, or the prefix's last
+// partial tile plus every tree row: see run_task). A padded query is zero and gets weight 0.
 struct Workspace {
-  int64_t Mp, Dp;
+  int64_t Mp, Dp, ld_p;
   std::vector<float> q;        // [Mp, D]  queries as rows
   std::vector<float> row;      // [D]      one converted K row
   std::vector<float> k_t;      // [D, kTileRows]  the tile's K rows as columns, zero-padded
   std::vector<float> v_tile;   // [kTileRows, Dp]  converted V rows, zero-padded
-  std::vector<float> p;        // [Mp, kTileRows]  scores of a tile, then exp weights
+  std::vector<float> p;        // [Mp, ld_p]  scores of a tile, then exp weights
   std::vector<float> run_max;  // [Mp]  running max of the scores seen so far
   std::vector<float> run_sum;  // [Mp]  running sum of exp(score - run_max)
   std::vector<float> acc;      // [Mp, Dp]  running sum of exp(score - run_max) * v
-  Workspace(int64_t D, int64_t M)
-      : Mp(round_up(M, 2)), Dp(round_up(D, kDimBlock)), q(Mp * D), row(D), k_t(D * kTileRows),
-        v_tile(kTileRows * Dp), p(Mp * kTileRows), run_max(Mp), run_sum(Mp), acc(Mp * Dp) {}
+  std::vector<int32_t> tile;   // [nodes, T]  the softmax tile of each node's tree row, -1: unseen
+  Workspace(int64_t D, int64_t M, int64_t nodes, int64_t T)
+      : Mp(round_up(M, 2)), Dp(round_up(D, kDimBlock)),
+        ld_p(round_up(kTileRows - 1 + T, kTileRows)), q(Mp * D), row(D), k_t(D * kTileRows),
+        v_tile(kTileRows * Dp), p(Mp * ld_p), run_max(Mp), run_sum(Mp), acc(Mp * Dp),
+        tile(nodes * T) {}
 };
 
 void gather_queries(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
@@ -360,23 +364,16 @@ void gather_queries(const TreeAttentionArgs& a, const Task& t, int64_t G, Worksp
   std::fill(ws.acc.begin(), ws.acc.end(), 0.0f);
 }
 
-// May query row m see cache row j? Every prefix row; tree row P_b + c if tree_mask allows.
-inline bool allowed(const TreeAttentionArgs& a, const Task& t, int64_t G, int64_t m, int64_t j) {
-  if (j < t.prefix) return true;
-  const int64_t n = t.n0 + m / G;
-  return a.tree_mask[(t.b * a.N + n) * tree_rows(a) + (j - t.prefix)] != 0;
-}
-
 inline int64_t kv_offset(const TreeAttentionArgs& a, const Task& t, int64_t j) {
   return t.slot * a.kv_stride_b + j * a.kv_stride_l + t.kvh * a.kv_stride_h;
 }
 
-// Step 1: p[m, r] = scale * <q_m, k_{j0+r}>, or -inf where the mask forbids the pair; a padded
-// query (m = M when M is odd) gets 0 and is never softmaxed, so its weights stay 0. Compiled per
-// ISA level (cpu_math.h RHEO_ISA_COPIES), as is accumulate_tile: the two hot loops.
-RHEO_ALWAYS_INLINE void score_tile_loop(const TreeAttentionArgs& a, const Task& t, int64_t G,
-                                        int64_t j0, int64_t rows, Workspace& ws) {
-  const int64_t D = a.D;
+// Step 1: p[m, col + r] = scale * <q_m, k_{j0+r}> for r < rows <= kTileRows (the caller masks);
+// a padded query (m = M when M is odd) gets 0 and is never softmaxed, so its weights stay 0.
+// Compiled per ISA level (cpu_math.h RHEO_ISA_COPIES), as is accumulate_tile: the two hot loops.
+RHEO_ALWAYS_INLINE void score_tile_loop(const TreeAttentionArgs& a, const Task& t, int64_t j0,
+                                        int64_t rows, int64_t col, Workspace& ws) {
+  const int64_t D = a.D, ld = ws.ld_p;
   float* k_t = ws.k_t.data();
   int64_t r = 0;
   if (a.dtype != DType::kFloat16 && D % 8 == 0) {  // 8 x 8 blocks, converted and transposed
@@ -398,26 +395,25 @@ RHEO_ALWAYS_INLINE void score_tile_loop(const TreeAttentionArgs& a, const Task& 
   if (rows < kTileRows)  // the last tile: rows past it score 0 and are never read
     for (int64_t d = 0; d < D; ++d) std::fill_n(k_t + d * kTileRows + rows, kTileRows - rows, 0.0f);
   for (int64_t m = 0; m < t.M; m += 2)  // Mp is even, so m + 1 is a real or padded query
-    qk_rows(k_t, ws.q.data() + m * D, ws.q.data() + (m + 1) * D, D,
-            ws.p.data() + m * kTileRows, ws.p.data() + (m + 1) * kTileRows);
+    qk_rows(k_t, ws.q.data() + m * D, ws.q.data() + (m + 1) * D, D, ws.p.data() + m * ld + col,
+            ws.p.data() + (m + 1) * ld + col);
   for (int64_t m = 0; m < t.M; ++m) {
-    float* s = ws.p.data() + m * kTileRows;
-    for (int64_t r = 0; r < rows; ++r)
-      s[r] = allowed(a, t, G, m, j0 + r) ? s[r] * a.scale : kNegInf;
+    float* s = ws.p.data() + m * ld + col;
+    for (int64_t r = 0; r < rows; ++r) s[r] *= a.scale;
   }
-  if (t.M % 2) std::fill_n(ws.p.data() + t.M * kTileRows, kTileRows, 0.0f);  // the padded query
+  if (t.M % 2) std::fill_n(ws.p.data() + t.M * ld + col, kTileRows, 0.0f);  // the padded query
 }
 RHEO_ISA_COPIES(void, score_tile, score_tile_loop,
-                (const TreeAttentionArgs& a, const Task& t, int64_t G, int64_t j0, int64_t rows,
+                (const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows, int64_t col,
                  Workspace& ws),
-                (a, t, G, j0, rows, ws))
+                (a, t, j0, rows, col, ws))
 
 // Step 2: online softmax. Raise each running max to cover the tile, rescale what was summed
 // under the old max by exp(old - new), and turn the tile's scores into weights exp(s - max).
 void softmax_update(const Task& t, int64_t rows, Workspace& ws, ExpRow exp_row) {
   const int64_t Dp = ws.Dp;
   for (int64_t m = 0; m < t.M; ++m) {
-    float* p = ws.p.data() + m * kTileRows;
+    float* p = ws.p.data() + m * ws.ld_p;
     float tile_max = kNegInf;
     for (int64_t r = 0; r < rows; ++r) tile_max = std::max(tile_max, p[r]);
     const float new_max = std::max(ws.run_max[m], tile_max);
@@ -439,9 +435,11 @@ void softmax_update(const Task& t, int64_t rows, Workspace& ws, ExpRow exp_row) 
   }
 }
 
-// Step 3: acc[m] += sum_r p[r, m] * v_{j0+r}, two queries and kDimBlock columns at a time.
+// Step 3: acc[m] += sum_r p[m, col + r] * v_{j0+r} for r < rows <= kTileRows, two queries and
+// kDimBlock columns at a time.
 RHEO_ALWAYS_INLINE void accumulate_tile_loop(const TreeAttentionArgs& a, const Task& t,
-                                             int64_t j0, int64_t rows, Workspace& ws) {
+                                             int64_t j0, int64_t rows, int64_t col,
+                                             Workspace& ws) {
   const int64_t Dp = ws.Dp, D = a.D;
   const bool vector = a.dtype != DType::kFloat16 && D % 8 == 0;
   const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
@@ -460,15 +458,15 @@ RHEO_ALWAYS_INLINE void accumulate_tile_loop(const TreeAttentionArgs& a, const T
   }
   for (int64_t m = 0; m < t.M; m += 2) {  // Mp is even, so m + 1 is a real or padded query
     float* out0 = ws.acc.data() + m * Dp;
-    const float* w0 = ws.p.data() + m * kTileRows;
+    const float* w0 = ws.p.data() + m * ws.ld_p + col;
     for (int64_t d0 = 0; d0 < Dp; d0 += kDimBlock)
-      pv_block(w0, w0 + kTileRows, ws.v_tile.data() + d0, Dp, rows, out0 + d0, out0 + Dp + d0);
+      pv_block(w0, w0 + ws.ld_p, ws.v_tile.data() + d0, Dp, rows, out0 + d0, out0 + Dp + d0);
   }
 }
 RHEO_ISA_COPIES(void, accumulate_tile, accumulate_tile_loop,
-                (const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
+                (const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows, int64_t col,
                  Workspace& ws),
-                (a, t, j0, rows, ws))
+                (a, t, j0, rows, col, ws))
 
 // Step 4: out = acc / run_sum. A node that sees no row at all (P_b = 0 and an empty
 // mask row) gets zeros, as the header states.
@@ -482,14 +480,62 @@ void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspa
   }
 }
 
+// One softmax tile over the cache rows [lo, hi) (hi - lo <= ws.ld_p): scores in chunks of
+// kTileRows, then visible(m, j) says which of them query m sees (-inf otherwise), one online-softmax
+// update over the whole width, and the V rows in the same chunks.
+template <typename Visible>
+void run_tile(const TreeAttentionArgs& a, const Task& t, int64_t lo, int64_t hi, Workspace& ws,
+              ExpRow exp_row, Visible visible) {
+  for (int64_t j0 = lo; j0 < hi; j0 += kTileRows)
+    score_tile(a, t, j0, std::min(kTileRows, hi - j0), j0 - lo, ws);
+  for (int64_t m = 0; m < t.M; ++m) {
+    float* s = ws.p.data() + m * ws.ld_p;
+    for (int64_t j = lo; j < hi; ++j)
+      if (!visible(m, j)) s[j - lo] = kNegInf;
+  }
+  softmax_update(t, hi - lo, ws, exp_row);
+  for (int64_t j0 = lo; j0 < hi; j0 += kTileRows)
+    accumulate_tile(a, t, j0, std::min(kTileRows, hi - j0), j0 - lo, ws);
+}
+
+// The tiles follow each query's visible rows, not the slot's: node n sees the prefix and then its
+// visible tree rows in order (its ancestors and itself, as a token generated one at a time saw
+// them), and its k-th visible row has rank P + k. The online softmax groups ranks into tiles of
+// kTileRows from rank 0, so a node's output is bit for bit a single query's over the same rows
+// laid out contiguously: greedy `rheo` equals greedy `ar`. Grouping the slot's rows instead put a
+// deep node's own row in the next tile whenever the siblings before it crossed a tile boundary
+// (another order of float sums). The prefix's whole tiles are shared by every query; then tile k
+// of the rest holds, per query, the ranks [P0 + k kTileRows, P0 + (k + 1) kTileRows), P0 the
+// prefix rounded down to kTileRows: run over the rows any query places there, each query masked
+// to its own.
 void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws, ExpRow exp_row) {
   gather_queries(a, t, G, ws);
-  const int64_t L = t.prefix + tree_rows(a);  // cache rows any node of sequence b may see
-  for (int64_t j0 = 0; j0 < L; j0 += kTileRows) {
-    const int64_t rows = std::min(kTileRows, L - j0);
-    score_tile(a, t, G, j0, rows, ws);
-    softmax_update(t, rows, ws, exp_row);
-    accumulate_tile(a, t, j0, rows, ws);
+  const int64_t P = t.prefix, T = tree_rows(a);
+  const int64_t P0 = P / kTileRows * kTileRows;
+  for (int64_t j0 = 0; j0 < P0; j0 += kTileRows)
+    run_tile(a, t, j0, j0 + kTileRows, ws, exp_row, [](int64_t, int64_t) { return true; });
+  int32_t* tile = ws.tile.data();
+  int64_t last = 0;
+  for (int64_t i = 0; i < t.nodes; ++i) {
+    const uint8_t* mask = a.tree_mask + (t.b * a.N + t.n0 + i) * T;
+    int64_t rank = P - P0;
+    for (int64_t c = 0; c < T; ++c) {
+      tile[i * T + c] = mask[c] ? static_cast<int32_t>(rank++ / kTileRows) : -1;
+      last = std::max<int64_t>(last, tile[i * T + c]);
+    }
+  }
+  for (int64_t k = 0; k <= last; ++k) {
+    int64_t lo = k == 0 ? P0 : P + T, hi = k == 0 ? P : P;
+    for (int64_t i = 0; i < t.nodes; ++i)
+      for (int64_t c = 0; c < T; ++c)
+        if (tile[i * T + c] == k) {
+          lo = std::min(lo, P + c);
+          hi = std::max(hi, P + c + 1);
+        }
+    if (lo >= hi) continue;
+    run_tile(a, t, lo, hi, ws, exp_row, [&](int64_t m, int64_t j) {
+      return j < P || tile[(m / G) * T + (j - P)] == k;
+    });
   }
   write_outputs(a, t, G, ws);
 }
@@ -536,7 +582,7 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
 #endif
   const ExpRow exp_row = vector_exp();  // (its first call checks it, outside the parallel region)
   // One workspace per thread, allocated here: nothing may throw inside the parallel region.
-  std::vector<Workspace> spaces(n_threads, Workspace(args.D, nodes * G));
+  std::vector<Workspace> spaces(n_threads, Workspace(args.D, nodes * G, nodes, tree_rows(args)));
 #pragma omp parallel for schedule(dynamic)
   for (int64_t task = 0; task < n_tasks; ++task) {
 #ifdef _OPENMP

@@ -24,6 +24,10 @@
 // Both arrays are host memory for tree_attention_cpu, which checks every value (RHEO_CHECK), and
 // device memory for tree_attention_cuda, which cannot check them without a sync: there a value
 // out of range is clamped into range (no read outside the cache) and the result is meaningless.
+// Row invariance: on the CPU a node's output is bit for bit the one its token gets decoded alone
+// (N = T = 1 after a prefix of P_b + its visible tree rows, copied in order): the float32 sums
+// follow the rows a node sees, whichever other tree rows lie between them in the slot, so greedy
+// speculative decoding equals greedy decoding. CUDA keeps the float32 tolerance only.
 // Batch invariance: on the CPU a sequence's output does not depend on the other sequences, B or
 // prefix_len (bit for bit the same as running it alone with prefix_len = P_b); on CUDA the split
 // plan depends on B and prefix_len, so only the float32 tolerance holds across batches.
