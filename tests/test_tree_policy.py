@@ -514,6 +514,33 @@ def test_measurements_repeat_interleaved_until_their_spread_is_small():
 
     loud = measure_profile("k", noisy, lambda d, n, k: Tree(), lambda lg, dt: None, 8, 3, (4,))
     assert loud.spread["target"] > 0.1 and (len(calls) - 4) // 4 > MIN_ROUNDS
+    # Under tensor parallelism (fixed_rounds) every rank runs MIN_ROUNDS, however noisy its
+    # times: ranks that stopped at different rounds would pair up different collectives.
+    calls.clear()
+    measure_profile("k", noisy, lambda d, n, k: Tree(), lambda lg, dt: None, 8, 3, (4,),
+                    fixed_rounds=True)  # fmt: skip
+    assert len(calls) == 4 + 4 * MIN_ROUNDS
+
+
+def test_calibration_with_fixed_rounds_runs_each_shape_the_same_times():
+    """calibrate_profile(fixed_rounds=True): CALIBRATION_REPEATS steps per shape, noisy or not
+    (tensor-parallel ranks each time their own steps and must run the same ones)."""
+    from rheo_engine.runtime.tree_policy import CALIBRATION_REPEATS, calibrate_profile
+
+    prof = profile({1: 1.0, 2: 1.6, 16: 4.0}, level_s=0.1)
+    noise = iter(np.random.default_rng(1).uniform(0.5, 3.0, 1000))
+    shapes = []
+
+    def run_step(depth, n):
+        shapes.append((depth, n))
+        return next(noise) * prof.parts_s(depth, n, 4)
+
+    calibrate_profile(prof, run_step, topk=4, max_nodes=16, max_depth=4, fixed_rounds=True)
+    counts = {shape: shapes.count(shape) for shape in shapes}
+    assert len(counts) > 1 and set(counts.values()) == {CALIBRATION_REPEATS}
+    shapes.clear()
+    calibrate_profile(prof, run_step, topk=4, max_nodes=16, max_depth=4)  # adaptive: more
+    assert len(shapes) > len(counts) * CALIBRATION_REPEATS
 
 
 def test_a_kept_profile_contradicted_by_real_steps_is_flagged():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -937,10 +938,14 @@ class BatchDecoder:
         self._policies[seq.group] = policy
         return policy
 
-    def _measure(self, seq: SeqState, key: str, how=measure_profile) -> CostProfile:
+    def _measure(self, seq: SeqState, key: str, how=None) -> CostProfile:
         """Time target forwards, draft levels and verification on this sequence's own state
         (its slot's committed rows and head pairs; the trees are run and never committed):
-        ``how`` is tree_policy.measure_profile, or estimate_profile (a few forwards)."""
+        ``how`` is tree_policy.measure_profile (None: in a fixed number of rounds under tensor
+        parallelism, where every rank times its own forwards and all must run the same ones),
+        or estimate_profile (a few forwards)."""
+        if how is None:
+            how = functools.partial(measure_profile, fixed_rounds=self.tp is not None)
         request, cfg, head = seq.request, seq.request.tree_cfg, self.head
         view = self.pool.batch([seq.slot])
         target = _SlotTarget(self.target, view, head.feature_layers, self.static)
@@ -1018,4 +1023,5 @@ class BatchDecoder:
             probe_step += 1
             return time.perf_counter() - start
 
-        calibrate_profile(profile, run_step, cfg.topk, cfg.total_tokens, cfg.depth)
+        calibrate_profile(profile, run_step, cfg.topk, cfg.total_tokens, cfg.depth,
+                          fixed_rounds=self.tp is not None)  # fmt: skip

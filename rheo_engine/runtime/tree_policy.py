@@ -370,11 +370,13 @@ MIN_ROUNDS, MAX_ROUNDS, SPREAD_OK, TIME_BOUND = 3, 9, 0.1, 3.0
 
 
 def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int,
-                    topks: tuple[int, ...]) -> CostProfile:  # fmt: skip
+                    topks: tuple[int, ...], fixed_rounds: bool = False) -> CostProfile:  # fmt: skip
     """Time the parts of a step: ``draft(depth, n, topk)`` -> DraftTree, ``forward_tree(tree)``
     -> logits, ``verify(logits, draft_tree)``. Nothing is committed, so the request's state is
     untouched. Every part is timed once per round, rounds repeat until the target forwards'
-    spread is small (_interleaved); sizes stop at ``max_nodes``."""
+    spread is small (_interleaved); sizes stop at ``max_nodes``. ``fixed_rounds``: exactly
+    MIN_ROUNDS, whatever the times say (tensor-parallel ranks each time their own forwards, and
+    every rank must run the same ones: their collectives pair up)."""
     start = time.perf_counter()
     sizes = [n for n in PROBE_SIZES if n <= max_nodes]
     if sizes[-1] != max_nodes and max_nodes > 1:
@@ -393,7 +395,8 @@ def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_d
         for k in topks if deep > 1 else ():
             jobs["draft", deep, k] = lambda k=k: _timed(lambda: draft(deep, small, k))
     watched = [("target", n) for n in sizes]
-    times, spread = _interleaved(jobs, watched, MIN_ROUNDS, MAX_ROUNDS, SPREAD_OK, TIME_BOUND)
+    most = MIN_ROUNDS if fixed_rounds else MAX_ROUNDS
+    times, spread = _interleaved(jobs, watched, MIN_ROUNDS, most, SPREAD_OK, TIME_BOUND)
     draft_base = times.get(("draft", 1, widest), 0.0)
     level_s = {k: 0.0 for k in topks}
     for k in topks if max_nodes > 1 and deep > 1 else ():
@@ -565,11 +568,12 @@ CALIBRATION_REPEATS = 3
 
 
 def calibrate_profile(profile: CostProfile, run_step, topk: int, max_nodes: int,
-                      max_depth: int) -> None:  # fmt: skip
+                      max_depth: int, fixed_rounds: bool = False) -> None:  # fmt: skip
     """Time real decode steps of a few shapes (``run_step(depth, n)`` runs one, committed, on a
     scratch copy of the request, and returns its seconds) and set ``profile.step_scale``: per
     size, the median of measured / predicted (the parts' sum), and ``profile.spread
-    ["calibration"]``. Sizes stop at ``max_nodes``."""
+    ["calibration"]``. Sizes stop at ``max_nodes``. ``fixed_rounds``: exactly
+    CALIBRATION_REPEATS rounds (tensor parallelism, as in measure_profile)."""
     shapes: list[tuple[int, int]] = []
     for depth, n in CALIBRATION_SHAPES:
         n = min(n, max_nodes)
@@ -578,8 +582,9 @@ def calibrate_profile(profile: CostProfile, run_step, topk: int, max_nodes: int,
             shapes.append((depth, n))
     jobs = {(d, n): lambda d=d, n=n: run_step(d, n) / profile.parts_s(d, n, topk)
             for d, n in shapes}  # fmt: skip
-    ratios, spread = _interleaved(jobs, list(jobs), CALIBRATION_REPEATS, 3 * CALIBRATION_REPEATS,
-                                  SPREAD_OK, TIME_BOUND)  # fmt: skip
+    most = CALIBRATION_REPEATS if fixed_rounds else 3 * CALIBRATION_REPEATS
+    ratios, spread = _interleaved(jobs, list(jobs), CALIBRATION_REPEATS, most, SPREAD_OK,
+                                  TIME_BOUND)  # fmt: skip
     profile.step_scale = {n: ratios[d, n] for d, n in shapes}
     profile.spread = {**profile.spread, "calibration": spread}
 
