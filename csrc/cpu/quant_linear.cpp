@@ -591,14 +591,7 @@ void quant_gather_rows_cpu(const QuantGatherArgs& a) {
       const float m = has_m ? half_to_float(scales[kQuantPanel + r]) : 0.0f;
       const uint8_t* codes = record + (has_m ? 64 : 32);
       for (int64_t k = 0; k < kQuantBlock; ++k) {
-        float v;
-        if (a.type == QuantType::kQ8_0) {
-          v = d * static_cast<float>(static_cast<int8_t>(codes[(k / 4) * 64 + 4 * r + k % 4]));
-        } else {
-          const uint8_t byte = codes[((k % 16) / 4) * 64 + 4 * r + k % 4];
-          const float q = static_cast<float>(k < 16 ? (byte & 0x0F) : (byte >> 4));
-          v = a.type == QuantType::kQ4_0 ? d * (q - 8.0f) : d * q + m;  // -ffp-contract=off
-        }
+        const float v = quant_value(a.type, quant_code_at(codes, a.type, r, k), d, m);
         const int64_t at = i * a.in + b * kQuantBlock + k;
         if (a.dtype == DType::kBFloat16)
           static_cast<uint16_t*>(a.out)[at] = float_to_bf16(v);

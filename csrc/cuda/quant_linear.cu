@@ -52,13 +52,6 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_q8_kernel(QuantRowsArg
   a.xm[t] = d * static_cast<float>(sum);
 }
 
-// Code of panel row r, block column k in a record's code bytes (the header's layout).
-__device__ __forceinline__ int32_t code_at(const uint8_t* codes, QuantType type, int r, int k) {
-  if (type == QuantType::kQ8_0) return static_cast<int8_t>(codes[(k / 4) * 64 + 4 * r + k % 4]);
-  const uint8_t byte = codes[((k % 16) / 4) * 64 + 4 * r + k % 4];
-  return k < 16 ? (byte & 0x0F) : (byte >> 4);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) quant_linear_kernel(QuantLinearArgs a) {
   const int64_t o =
@@ -79,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) quant_linear_kernel(QuantLinearArgs 
       const float m_w = has_m ? half_bits_to_float(scales[kQuantPanel + r]) : 0.0f;
       const uint8_t* codes = record + (has_m ? 64 : 32);
       int32_t w[kQuantBlock];  // this row's 32 codes of block b
-      for (int k = 0; k < kQuantBlock; ++k) w[k] = code_at(codes, a.type, r, k);
+      for (int k = 0; k < kQuantBlock; ++k) w[k] = quant_code_at(codes, a.type, r, k);
 #pragma unroll
       for (int c = 0; c < kMaxRows; ++c) {
         if (c >= rows) break;
@@ -113,13 +106,8 @@ __global__ void __launch_bounds__(kThreads) quant_gather_rows_kernel(QuantGather
   const float m = has_m ? half_bits_to_float(scales[kQuantPanel + r]) : 0.0f;
   const uint8_t* codes = record + (has_m ? 64 : 32);
   T* out = static_cast<T*>(a.out) + i * a.in + b * kQuantBlock;
-  for (int k = 0; k < kQuantBlock; ++k) {
-    const float q = static_cast<float>(code_at(codes, a.type, r, k));
-    const float v = a.type == QuantType::kQ8_0   ? d * q
-                    : a.type == QuantType::kQ4_0 ? d * (q - 8.0f)
-                                                 : d * q + m;
-    out[k] = cuda::from_float<T>(v);
-  }
+  for (int k = 0; k < kQuantBlock; ++k)
+    out[k] = cuda::from_float<T>(quant_value(a.type, quant_code_at(codes, a.type, r, k), d, m));
 }
 
 }  // namespace

@@ -51,6 +51,22 @@ RHEO_HOST_DEVICE int64_t quant_record_bytes(QuantType type) {
   return type == QuantType::kQ8_0 ? 32 + 512 : type == QuantType::kQ4_0 ? 32 + 256 : 64 + 256;
 }
 
+// Code of row r of its panel, column k of its block, in a record's code bytes (the layout above).
+RHEO_HOST_DEVICE int32_t quant_code_at(const uint8_t* codes, QuantType type, int64_t r,
+                                       int64_t k) {
+  if (type == QuantType::kQ8_0) return static_cast<int8_t>(codes[(k / 4) * 64 + 4 * r + k % 4]);
+  const uint8_t byte = codes[((k % 16) / 4) * 64 + 4 * r + k % 4];
+  return k < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+// A weight's value from its code q and its row's scale d and min m, as gguf.quants computes it in
+// float32: Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m (a product, then a sum: the sources build
+// without contraction, -ffp-contract=off and nvcc's -fmad=false).
+RHEO_HOST_DEVICE float quant_value(QuantType type, int32_t code, float d, float m) {
+  const float q = static_cast<float>(code);
+  return type == QuantType::kQ8_0 ? d * q : type == QuantType::kQ4_0 ? d * (q - 8.0f) : d * q + m;
+}
+
 // x quantized to Q8 blocks: xq [n, in] int8, xd, xm [n, in / 32] float32, xs [n, in / 32] int32.
 struct QuantRowsArgs {
   const void* x = nullptr;  // [n, in], row stride x_stride (elements), last dim dense
@@ -78,9 +94,8 @@ struct QuantLinearArgs {
 // 0 <= p_begin <= p_end <= ceil(out / 16). A caller splits the work by giving each thread panels.
 
 // Rows of a packed W, dequantized (an embedding table kept quantized):
-//   out[i, :] = W[ids[i], :], each value as gguf.quants computes it in float32 (Q8_0 d * q;
-//   Q4_0 d * (q - 8); Q4_1 d * q + m: a product, then a sum, two roundings, no FMA), then
-//   rounded once to out's dtype (bf16: to nearest even).
+//   out[i, :] = W[ids[i], :], each value quant_value's (as gguf.quants computes it in float32),
+//   then rounded once to out's dtype (bf16: to nearest even).
 struct QuantGatherArgs {
   const uint8_t* w = nullptr;   // [ceil(rows / 16), in / 32, quant_record_bytes(type)] packed W
   QuantType type = QuantType::kQ8_0;
