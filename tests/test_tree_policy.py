@@ -139,10 +139,10 @@ def test_trees_that_accept_less_than_promised_scale_the_evidence_down():
     want = Calibration.PRIOR / (promised + Calibration.PRIOR)
     assert policy.calibration.factor == pytest.approx(want)
     policy.calibration.accepted, policy.calibration.promised = 0.0, 1000.0  # promises failed
-    policy.plain_known = 0
+    policy.plain_known = None
     assert policy.choose(100, 100).method == "ar"
     policy.calibration.accepted = 1000.0  # and once they keep them, the evidence is read as it is
-    policy.plain_known = 0
+    policy.plain_known = None
     assert policy.choose(100, 100).method == "rheo" and policy.calibration.factor == 1.0
 
 
@@ -391,9 +391,12 @@ def test_break_even_table_from_a_saved_profile(tmp_path, capsys):
 
 
 def test_plain_steps_after_a_search_do_not_search_again():
-    """When no tree beats a plain step, the next RECHECK - 1 plain steps reuse that answer
-    (plain steps bring no evidence, they only fade it); a drafted step makes the next search."""
-    policy = trained(profile({1: 1.0, 2: 3.0, 16: 40.0}), [1, 5, 9, 13])  # trees never pay
+    """When no tree beats a plain step, later plain steps reuse that answer while the room, the
+    tokens wanted and the backlog are no more favourable (plain steps bring no evidence); more
+    room, a smaller backlog or a drafted step makes the next search."""
+    costly = profile({1: 1.0, 2: 3.0, 16: 40.0})
+    costly.level_s = {2: 0.2, 4: 0.4, 10: 1.0}  # a level's rows cost: the backlog has a price
+    policy = trained(costly, [1, 5, 9, 13])  # trees never pay
     searches = []
     real = policy._best
 
@@ -403,13 +406,50 @@ def test_plain_steps_after_a_search_do_not_search_again():
 
     policy._best = counted
     plain = TreeConfig("ar")
-    for _ in range(2 * AutoTree.RECHECK):
-        assert policy.choose(100, 100).method == "ar"
+    for step in range(16):
+        assert policy.choose(100 - step, 100 - step, step).method == "ar"
         policy.observe(plain, None, 1.0)
+    assert searches.count(False) == 1, searches
+    policy.choose(200, 80, 16)  # more room than at the search
     assert searches.count(False) == 2, searches
+    policy.choose(200, 80, 0)  # a smaller backlog
+    assert searches.count(False) == 3, searches
+    policy.choose(200, 80, 0)
+    assert searches.count(False) == 3, searches
     policy.observe(GROWN, outcome([1]), 1.0)
     policy.choose(100, 100)
-    assert searches.count(False) == 3, searches
+    assert searches.count(False) == 4, searches
+
+
+def test_skipped_searches_choose_what_a_search_would():
+    """The skipped searches (a known plain answer, an unaffordable probe) change no choice: a
+    policy that searches every step picks the same trees, step for step, through random rooms,
+    wants, backlogs and outcomes, with probes and batch changes."""
+    rng = np.random.default_rng(7)
+    for costs in ({1: 1.0, 2: 1.1, 16: 1.6}, {1: 1.0, 2: 1.6, 16: 4.0}, {1: 1.0, 2: 3.0, 16: 40.0}):
+        fast, full = AutoTree(BOUND, profile(costs)), AutoTree(BOUND, profile(costs))
+        room, wanted, waiting = 200, 200, 0
+        for step in range(400):
+            if rng.random() < 0.05:
+                room, wanted = room + int(rng.integers(1, 40)), wanted + int(rng.integers(1, 40))
+            if rng.random() < 0.02:
+                batch = int(rng.integers(1, 4))
+                fast.set_batch(batch)
+                full.set_batch(batch)
+            full.plain_known, full.cheapest_probe_s = None, -np.inf  # always search
+            cfg = fast.choose(room, wanted, waiting)
+            assert full.choose(room, wanted, waiting) == cfg, step
+            room, wanted = max(2, room - 1), max(2, wanted - 1)
+            if cfg.method == "ar":
+                waiting += 1
+                fast.observe(cfg, None, 1.0)
+                full.observe(cfg, None, 1.0)
+                continue
+            waiting = 0
+            accepted = [int(i) for i in np.flatnonzero(rng.random(cfg.total_tokens - 1) < 0.4) + 1]
+            out = outcome(accepted[: cfg.depth])
+            fast.observe(cfg, out, 1.0)
+            full.observe(cfg, out, 1.0)
 
 
 def test_calibration_scales_each_size_by_its_real_steps():

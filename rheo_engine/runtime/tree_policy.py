@@ -757,10 +757,11 @@ class AutoTree:
     # T = 1 (2-core EPYC, AVX2) requests of 128 tokens ran ~4 probes each, every one a loss
     # (BENCHMARKS.md, "Issue 39: probes and lookup evidence at T = 1").
     PROBE_GAP_MAX = 256
-    # After a step found that no tree beats a plain step, the next RECHECK - 1 plain steps do
-    # not search again: with no new evidence the answer does not move, and the search
-    # (~0.1 ms) was ~3% of a plain step of the default pair.
-    RECHECK = 8
+    # After a search found that no tree beats a plain step, later steps do not search again
+    # while nothing that could change the answer moved (plain_known): no new evidence, no new
+    # prices, and the room, the tokens wanted and the head's backlog no more favourable than at
+    # that search. A search (~0.1 ms) was ~3% of a plain step of the default pair, and a
+    # search every 8 steps (and a probe's every 4 while none was affordable) ~2%.
     CHECK_STEPS, CONTRADICTION = 8, 1.5  # steps 2..9 of a kept profile; measured / predicted
 
     def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False) -> None:
@@ -777,7 +778,10 @@ class AutoTree:
         )  # fmt: skip
         self.use_profile(profile)
         self.predicted_s = 0.0  # the chosen tree's predicted step time
-        self.plain_known = 0  # plain steps left that need no search (see RECHECK)
+        # (room, wanted, waiting_s) of the last search that found no tree paying, or None: while
+        # room and wanted are no larger and waiting_s no smaller, every tree's rate is no
+        # higher (_best), so the answer holds until observe / set_batch clear it
+        self.plain_known: tuple[int, int, float] | None = None
         self.steps, self.since_probe, self.probes = 0, 0, 0
         self.total_s = 0.0  # predicted seconds of every step chosen
         self.probe_loss_s = 0.0  # predicted seconds probes lost against plain steps
@@ -809,10 +813,14 @@ class AutoTree:
         scheduler calls it when its batch grows or shrinks; acceptance evidence is kept."""
         if batch == self.batch:
             return
-        self.plain_known = 0
+        self.plain_known = None
         self.batch = batch
         self.step_s, self.plain_s = _priced(self.profile, self.topks, self.bound.depth,
                                             self.sizes, batch)  # fmt: skip
+        # The cheapest tree a probe may draft: when it and the backlog exceed _probe_limit,
+        # no probe is affordable and _best(optimistic) need not run.
+        probes = self.step_s[self.feasible & (self.step_s <= self.PROBE_COST * self.plain_s)]
+        self.cheapest_probe_s = float(probes.min()) if probes.size else float("inf")
 
     @property
     def probe_share(self) -> float:
@@ -857,16 +865,18 @@ class AutoTree:
         self.predicted_s = plain_s
         if wanted < 2 or self.bound.method == "ar":
             return TreeConfig("ar")
-        if self.plain_known > 0:
-            self.plain_known -= 1
+        known = self.plain_known
+        if known is not None and room <= known[0] and wanted <= known[1] and \
+                self.waiting_s >= known[2]:  # fmt: skip
             rate, i, d, j = -1.0, 0, 0, 0
         else:
             rate, i, d, j = self._best(room, wanted, optimistic=False)
-            if rate <= self.MARGIN / plain_s:
-                self.plain_known = self.RECHECK - 1
+            paid = rate > self.MARGIN / plain_s
+            self.plain_known = None if paid else (room, wanted, self.waiting_s)
         if self.since_probe >= (self.probe_gap if self.probes else self.PROBE_FIRST):
-            probe = self._best(room, wanted, optimistic=True)
             self.since_probe = 0
+            affordable = self.cheapest_probe_s + self.waiting_s <= self._probe_limit()
+            probe = self._best(room, wanted, optimistic=True) if affordable else (-1.0, 0, 0, 0)
             if probe[0] > 0:  # one the budget affords, the pairs waiting included (_best)
                 rate, i, d, j = probe
                 cost = float(self.step_s[i, d, j]) + self.waiting_s
@@ -914,7 +924,7 @@ class AutoTree:
         self._check(seconds)
         if tree_shape(cfg) == (0, 1):
             return  # a plain step says nothing about acceptance
-        self.plain_known = 0  # new evidence: search at the next step
+        self.plain_known = None  # new evidence: search at the next step
         # Host lists from the step's one read: the policy never reads the device.
         depths = np.array(outcome.depth[0][1:])
         accepted = np.zeros(len(depths))
