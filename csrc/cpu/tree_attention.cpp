@@ -119,16 +119,19 @@ RHEO_ALWAYS_INLINE void transpose8(f32x8 r[8]) {
   }
 }
 
-// s0[r] = <q0, k_r>, s1[r] = <q1, k_r> for the kTileRows cache rows stored as columns of k_t
+// s0[r] = <q0, k_r>, s1[r] = <q1, k_r> for the first 8 * V cache rows stored as columns of k_t
 // [D, kTileRows] (the lanes run over cache rows: each query's score is the sum over d in order,
-// and a short task wastes no lane, where lanes over queries padded 2-3 queries to 16).
+// and a short task wastes no lane, where lanes over queries padded 2-3 queries to 16). V is a
+// template argument so the accumulators stay in registers; a tile's last rows need only
+// ceil(rows / 8) vectors (a plain step's last tile holds ~half of kTileRows on average).
+template <int V>
 RHEO_ALWAYS_INLINE void qk_rows(const float* k_t, const float* q0, const float* q1, int64_t D,
                                 float* s0, float* s1) {
-  f32x8 acc0[kRowVecs] = {}, acc1[kRowVecs] = {};
+  f32x8 acc0[V] = {}, acc1[V] = {};
   for (int64_t d = 0; d < D; ++d) {
     const float* k = k_t + d * kTileRows;
     const float b0 = q0[d], b1 = q1[d];
-    for (int i = 0; i < kRowVecs; ++i) {
+    for (int i = 0; i < V; ++i) {
       f32x8 ki;
       std::memcpy(&ki, k + 8 * i, sizeof ki);
       acc0[i] += ki * b0;
@@ -137,6 +140,22 @@ RHEO_ALWAYS_INLINE void qk_rows(const float* k_t, const float* q0, const float* 
   }
   std::memcpy(s0, acc0, sizeof acc0);
   std::memcpy(s1, acc1, sizeof acc1);
+}
+
+// qk_rows over the vectors that hold ``rows`` cache rows (1 <= rows <= kTileRows).
+RHEO_ALWAYS_INLINE void qk_rows_n(int64_t rows, const float* k_t, const float* q0,
+                                  const float* q1, int64_t D, float* s0, float* s1) {
+  static_assert(kRowVecs == 8, "qk_rows_n dispatches 1..8 vectors");
+  switch ((rows + 7) / 8) {
+    case 1: return qk_rows<1>(k_t, q0, q1, D, s0, s1);
+    case 2: return qk_rows<2>(k_t, q0, q1, D, s0, s1);
+    case 3: return qk_rows<3>(k_t, q0, q1, D, s0, s1);
+    case 4: return qk_rows<4>(k_t, q0, q1, D, s0, s1);
+    case 5: return qk_rows<5>(k_t, q0, q1, D, s0, s1);
+    case 6: return qk_rows<6>(k_t, q0, q1, D, s0, s1);
+    case 7: return qk_rows<7>(k_t, q0, q1, D, s0, s1);
+    default: return qk_rows<8>(k_t, q0, q1, D, s0, s1);
+  }
 }
 
 // out0 += sum_r w0[r] * v[r, :], out1 += sum_r w1[r] * v[r, :] over kDimBlock columns;
@@ -392,11 +411,12 @@ RHEO_ALWAYS_INLINE void score_tile_loop(const TreeAttentionArgs& a, const Task& 
     const float* k = load_row(a.k, kv_offset(a, t, j0 + r), D, a.dtype, ws.row.data());
     for (int64_t d = 0; d < D; ++d) k_t[d * kTileRows + r] = k[d];
   }
-  if (rows < kTileRows)  // the last tile: rows past it score 0 and are never read
-    for (int64_t d = 0; d < D; ++d) std::fill_n(k_t + d * kTileRows + rows, kTileRows - rows, 0.0f);
+  const int64_t lanes = round_up(rows, 8);  // the vectors qk_rows_n reads
+  if (rows < lanes)  // the last vector's rows past the tile score 0 and are never read
+    for (int64_t d = 0; d < D; ++d) std::fill_n(k_t + d * kTileRows + rows, lanes - rows, 0.0f);
   for (int64_t m = 0; m < t.M; m += 2)  // Mp is even, so m + 1 is a real or padded query
-    qk_rows(k_t, ws.q.data() + m * D, ws.q.data() + (m + 1) * D, D, ws.p.data() + m * ld + col,
-            ws.p.data() + (m + 1) * ld + col);
+    qk_rows_n(rows, k_t, ws.q.data() + m * D, ws.q.data() + (m + 1) * D, D,
+              ws.p.data() + m * ld + col, ws.p.data() + (m + 1) * ld + col);
   for (int64_t m = 0; m < t.M; ++m) {
     float* s = ws.p.data() + m * ld + col;
     for (int64_t r = 0; r < rows; ++r) s[r] *= a.scale;
@@ -581,9 +601,19 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
   const int n_threads = 1;
 #endif
   const ExpRow exp_row = vector_exp();  // (its first call checks it, outside the parallel region)
-  // One workspace per thread, allocated here: nothing may throw inside the parallel region.
-  std::vector<Workspace> spaces(n_threads, Workspace(args.D, nodes * G, nodes, tree_rows(args)));
-#pragma omp parallel for schedule(dynamic)
+  // One workspace per thread, allocated here: nothing may throw inside the parallel region. The
+  // calling thread's are kept for its next call of the same sizes (every layer of a step, every
+  // step: ~40 KB zeroed a call was ~5 us of a plain step's ~10 us attention at one node).
+  const int64_t T = tree_rows(args);
+  thread_local std::vector<Workspace> kept;
+  thread_local int64_t kept_sizes[4] = {-1, -1, -1, -1};
+  const int64_t sizes[4] = {args.D, nodes * G, nodes, T};
+  if (static_cast<int>(kept.size()) != n_threads || !std::equal(sizes, sizes + 4, kept_sizes)) {
+    kept.assign(n_threads, Workspace(args.D, nodes * G, nodes, T));
+    std::copy(sizes, sizes + 4, kept_sizes);
+  }
+  std::vector<Workspace>& spaces = kept;
+#pragma omp parallel for schedule(dynamic) if (n_threads > 1 && n_tasks > 1)
   for (int64_t task = 0; task < n_tasks; ++task) {
 #ifdef _OPENMP
     Workspace& ws = spaces[omp_get_thread_num()];
