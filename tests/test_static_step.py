@@ -133,13 +133,14 @@ def test_a_bucket_runs_the_same_shapes_at_every_step_and_reads_nothing(engine32,
 
 
 def test_the_eager_forward_fails_the_shape_check(engine32, monkeypatch):
-    """The control: the eager forward slices the cache by the committed length, so two steps at
-    other lengths run other shapes; and a host read inside the recorder raises."""
+    """The control: the eager forward runs each tree at its own size, so the 10- and 13-node
+    trees of the bucket test run other shapes (the bucket pads both to 16); and a host read
+    inside the recorder raises."""
     pool, view = prefilled(engine32, 1, [7])
     target, ops = engine32.target, []
     for step in range(2):
         view = pool.batch([0])
-        tokens, positions, mask = chain_tree(1, 10, view.lengths, step)
+        tokens, positions, mask = chain_tree(1, (10, 13)[step], view.lengths, step)
         eager = lambda t=tokens, p=positions, v=view, m=mask: target.forward(t, p, v, m)  # noqa: E731
         step_ops = recorded(eager, monkeypatch)
         ops.append(step_ops)

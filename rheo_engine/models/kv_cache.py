@@ -220,6 +220,7 @@ class SlotBatch:
         self._slots_dev = torch.tensor(self.slots, dtype=torch.int32, device=dev)
         self._lens: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}
+        self._slot_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # batch == 1
 
     @property
     def lengths_dev(self) -> torch.Tensor:
@@ -272,11 +273,17 @@ class SlotBatch:
         sequence's committed rows and the new rows ``tree_mask`` [B, n, n] allows."""
         n = k_new.shape[1]
         self.check_room(n)
-        if self.batch == 1:  # one sequence (a prefill, a batch of one): slices, as KVCache
-            slot, lo = self.slots[0], self.lengths[0]
-            k, v = self.pool.k[layer, slot : slot + 1], self.pool.v[layer, slot : slot + 1]
-            k[:, lo : lo + n], v[:, lo : lo + n] = k_new, v_new
-            return kernels.tree_attention(q, k[:, : lo + n], v[:, : lo + n], tree_mask, lo)
+        if self.batch == 1:  # one sequence (a prefill, a batch of one): its slot's rows
+            if self._slot_kv is None:  # each layer's [1, max_len + 1, Hkv, D] view, made once
+                slot = self.slots[0]
+                self._slot_kv = [(self.pool.k[i, slot : slot + 1], self.pool.v[i, slot : slot + 1])
+                                 for i in range(self.pool.k.shape[0])]  # fmt: skip
+            k, v = self._slot_kv[layer]
+            lo = self.lengths[0]
+            k.narrow(1, lo, n).copy_(k_new)
+            v.narrow(1, lo, n).copy_(v_new)
+            # the kernel reads rows < lo + n of the slot only (tree_attention.h)
+            return kernels.tree_attention(q, k, v, tree_mask, lo)
         return self.pool.attend_rows(
             layer, q, k_new, v_new, tree_mask, self._slots_dev, self.lengths_dev,
             self._row_index(n), max(self.lengths),
