@@ -76,7 +76,9 @@ void store_row(void* base, int64_t offset, const float* src, int64_t D, DType dt
 
 typedef float f32x8 __attribute__((vector_size(32)));
 constexpr int kRowVecs = kTileRows / 8;  // vectors of cache rows in a tile
-constexpr int kDimBlock = 16;            // head-dim columns per V block; D is padded to it
+// head-dim columns per V block (D is padded to it): 2 queries x 4 vectors = 8 independent sums,
+// where 2 x 2 left pv_block waiting on its adds' latency (N = 16 nodes, 300 rows: 2x slower)
+constexpr int kDimBlock = 32;
 constexpr int kDimVecs = kDimBlock / 8;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
@@ -127,6 +129,11 @@ RHEO_ALWAYS_INLINE void transpose8(f32x8 r[8]) {
 template <int V>
 RHEO_ALWAYS_INLINE void qk_rows(const float* k_t, const float* q0, const float* q1, int64_t D,
                                 float* s0, float* s1) {
+  if constexpr (V > 4) {  // in passes of 4 vectors: 8 sums and their operands fit 16 registers
+    qk_rows<4>(k_t, q0, q1, D, s0, s1);                  // (AVX-512F without VL has 16 ymm)
+    qk_rows<V - 4>(k_t + 32, q0, q1, D, s0 + 32, s1 + 32);
+    return;
+  }
   f32x8 acc0[V] = {}, acc1[V] = {};
   for (int64_t d = 0; d < D; ++d) {
     const float* k = k_t + d * kTileRows;
@@ -428,17 +435,36 @@ RHEO_ISA_COPIES(void, score_tile, score_tile_loop,
                  Workspace& ws),
                 (a, t, j0, rows, col, ws))
 
+// The largest of p[0..n-1] (-inf when n = 0; NaNs ignored, as std::max(max, p) ignores them). A
+// max is exact in any order, so 8 lanes at a time.
+RHEO_ALWAYS_INLINE float row_max(const float* p, int64_t n) {
+  const float ninf = kNegInf;
+  f32x8 best = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf};
+  int64_t r = 0;
+  for (; r + 8 <= n; r += 8) {
+    f32x8 v;
+    std::memcpy(&v, p + r, sizeof v);
+    best = v > best ? v : best;
+  }
+  float out = kNegInf;
+  for (int i = 0; i < 8; ++i) out = std::max(out, best[i]);
+  for (; r < n; ++r) out = std::max(out, p[r]);
+  return out;
+}
+
 // Step 2: online softmax. Raise each running max to cover the tile, rescale what was summed
 // under the old max by exp(old - new), and turn the tile's scores into weights exp(s - max).
-void softmax_update(const Task& t, int64_t rows, Workspace& ws, ExpRow exp_row) {
-  const int64_t Dp = ws.Dp;
+// Each query's weights are summed in row order (the tile's sum, then added to run_sum): eight
+// queries at a time, one per lane (8 x 8 blocks transposed), where one query's sum alone waits
+// on each add's latency (a 16-node tree: ~30% of the kernel).
+RHEO_ALWAYS_INLINE void softmax_update_loop(const Task& t, int64_t rows, Workspace& ws,
+                                            ExpRow exp_row) {
+  const int64_t Dp = ws.Dp, ld = ws.ld_p;
   for (int64_t m = 0; m < t.M; ++m) {
-    float* p = ws.p.data() + m * ws.ld_p;
-    float tile_max = kNegInf;
-    for (int64_t r = 0; r < rows; ++r) tile_max = std::max(tile_max, p[r]);
-    const float new_max = std::max(ws.run_max[m], tile_max);
+    float* p = ws.p.data() + m * ld;
+    const float new_max = std::max(ws.run_max[m], row_max(p, rows));
     if (new_max == kNegInf) {  // nothing visible yet: every weight of the tile is 0
-      std::fill(p, p + rows, 0.0f);
+      std::fill(p, p + rows, 0.0f);  // (its sum, 0, leaves run_sum as it is)
       continue;
     }
     const float correction = std::exp(ws.run_max[m] - new_max);  // exp(-inf) = 0 at the start
@@ -448,12 +474,35 @@ void softmax_update(const Task& t, int64_t rows, Workspace& ws, ExpRow exp_row) 
     }
     for (int64_t r = 0; r < rows; ++r) p[r] -= new_max;
     exp_in_place(exp_row, p, rows);  // a masked score -inf gives weight 0
+    ws.run_max[m] = new_max;
+  }
+  int64_t m = 0;
+  for (; m + 8 <= t.M; m += 8) {
+    f32x8 sum = {};
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8) {
+      f32x8 block[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&block[i], ws.p.data() + (m + i) * ld + r, 32);
+      transpose8(block);  // block[j] = row r + j of the 8 queries
+      for (int j = 0; j < 8; ++j) sum += block[j];
+    }
+    for (; r < rows; ++r) {
+      f32x8 v;
+      for (int i = 0; i < 8; ++i) v[i] = ws.p[(m + i) * ld + r];
+      sum += v;
+    }
+    for (int i = 0; i < 8; ++i) ws.run_sum[m + i] += sum[i];
+  }
+  for (; m < t.M; ++m) {
+    const float* p = ws.p.data() + m * ld;
     float sum = 0.0f;
     for (int64_t r = 0; r < rows; ++r) sum += p[r];
     ws.run_sum[m] += sum;
-    ws.run_max[m] = new_max;
   }
 }
+RHEO_ISA_COPIES(void, softmax_update, softmax_update_loop,
+                (const Task& t, int64_t rows, Workspace& ws, ExpRow exp_row),
+                (t, rows, ws, exp_row))
 
 // Step 3: acc[m] += sum_r p[m, col + r] * v_{j0+r} for r < rows <= kTileRows, two queries and
 // kDimBlock columns at a time.
