@@ -644,3 +644,87 @@ def test_a_cost_profile_pins_the_lookup_costs():
     assert costs.pinned
     assert costs.cost(1) == pytest.approx(1.1) and costs.cost(16) == pytest.approx(2.3)
     assert all(costs.cost(a) <= costs.cost(b) for a, b in zip(range(1, 32), range(2, 33)))
+
+
+# --- 6. skipping the trie when no lookup tree can pay -----------------------------------------
+
+
+def random_stats(gen: torch.Generator) -> LookupStats:
+    stats = LookupStats()
+    for _ in range(int(torch.randint(0, 40, (1,), generator=gen))):
+        n, d = (int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen)))
+        stats.observe([(n, d, bool(torch.rand(1, generator=gen) < 0.3))])
+    return stats
+
+
+def test_the_bound_covers_every_trie():
+    """accepted_bound(stats, D) >= the summed estimates of every trie's nodes no deeper than D,
+    on random repetitive contexts and evidence; and the first level of a trie is the full trie's."""
+    from rheo_engine.runtime.lookup_policy import accepted_bound
+
+    gen = torch.Generator().manual_seed(5)
+    tight = 0.0
+    for _ in range(200):
+        tokens = torch.randint(0, 4, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen)
+        index, stats = LookupIndex(tokens.tolist()), random_stats(gen)
+        cands = candidates(index, stats, 8, 10)
+        for D in range(1, 9):
+            mass = sum(math.exp(s) for s, d in zip(cands.scores, cands.depth) if d <= D)
+            bound = accepted_bound(stats, D)
+            assert mass <= bound * (1 + 1e-9), (D, mass, bound)
+            tight = max(tight, mass / bound)
+        first = candidates(index, stats, 8, 10, levels=1)
+        depth1 = [i for i, d in enumerate(cands.depth) if d == 1]
+        assert first.tokens == [cands.tokens[i] for i in depth1]
+        assert first.scores == [cands.scores[i] for i in depth1]
+        assert first.match_n == [cands.match_n[i] for i in depth1]
+    assert tight > 0.5, "the bound is never approached: a weak test"
+
+
+def test_no_tree_pays_only_where_choose_nodes_takes_a_plain_step():
+    """Whenever no_tree_pays says so, choose_nodes (over the real trie) takes a plain step; both
+    answers occur on random contexts, evidence, costs, rooms and wants."""
+    from rheo_engine.runtime.lookup_policy import no_tree_pays
+
+    gen = torch.Generator().manual_seed(6)
+    skipped = trees = 0
+    for _ in range(400):
+        tokens = torch.randint(0, 3, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen)
+        index, stats = LookupIndex(tokens.tolist()), random_stats(gen)
+        costs = flat_costs(float(torch.rand(1, generator=gen)) * 0.6)
+        room, wanted = (int(torch.randint(1, 40, (1,), generator=gen)) for _ in range(2))
+        scale = float(torch.rand(1, generator=gen)) * 1.5
+        n, _ = choose_nodes(candidates(index, stats, 8, 10), costs, room, wanted, 24, scale)
+        if no_tree_pays(stats, costs, room, wanted, 24, 8, scale):
+            assert n == 1
+            skipped += 1
+        trees += n > 1
+    assert skipped > 40 and trees > 40, (skipped, trees)
+
+
+def test_skipping_hopeless_tries_changes_no_step(target_only, monkeypatch):
+    """The decoder skips building the trie where no tree can pay: the same tokens, steps and
+    trees as building it every step (costs pinned by a profile, so no timing moves them)."""
+    import rheo_engine.runtime.decoder as decoder_module
+    from rheo_engine.runtime.lookup_policy import no_tree_pays
+    from rheo_engine.runtime.tree_policy import CostProfile
+
+    profile = CostProfile("toy", {1: 1.0, 4: 1.15, 16: 1.8}, 0.0, {4: 0.1}, {1: 0.05, 16: 0.1})
+    fired = []
+
+    def counted(*args):
+        fired.append(no_tree_pays(*args))
+        return fired[-1]
+
+    runs = []
+    for gate in (counted, lambda *args: False):
+        monkeypatch.setattr(decoder_module, "no_tree_pays", gate)
+        runs.append([target_only.generate(CODE, 64, temperature=T, seed=11, cost_profile=profile)
+                     for T in (0.0, 1.0)])  # fmt: skip
+    for with_gate, without in zip(*runs, strict=True):
+        assert with_gate.token_ids == without.token_ids
+        assert with_gate.accept_lengths == without.accept_lengths
+        assert with_gate.trees.histogram() == without.trees.histogram()
+        assert with_gate.accepted == without.accepted
+    assert any(fired) and not all(fired), "the skip never (or always) fired: a weak test"
+    assert sum(g.accepted.get("lookup", 0) for g in runs[0]) > 0, "no lookup tree drafted"

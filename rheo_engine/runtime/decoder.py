@@ -54,6 +54,7 @@ from rheo_engine.runtime.lookup_policy import (
     extra_nodes,
     keep_costs,
     measure_costs,
+    no_tree_pays,
     promised,
 )
 from rheo_engine.runtime.progress import waits
@@ -537,11 +538,19 @@ class BatchDecoder:
         plain, parts = [], []
         for s in seqs:
             cfg = s.request.tree_cfg
-            s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk)
             if costs is not None and not costs.pinned and (s.local is None
                                                             or s.local.costs is not costs):
                 s.local = LocalCosts(costs)
             local = s.local if costs is not None and not costs.pinned else costs
+            if local is not None and no_tree_pays(s.lookup_stats, local, room(s), wanted(s),
+                                                  cfg.total_tokens, cfg.depth,
+                                                  s.lookup_cal.factor):  # fmt: skip
+                # No tree could pay (lookup_policy.no_tree_pays): the trie's first depth only,
+                # which is all a plain step's shadow evidence reads (_observe_lookup)
+                s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, levels=1)
+                plain.append(s)
+                continue
+            s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk)
             n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens,
                                     s.lookup_cal.factor)  # fmt: skip
             if n == 1:

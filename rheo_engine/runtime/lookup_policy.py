@@ -21,7 +21,7 @@ import torch
 
 from rheo_engine.machine import kept_file, read_kept, write_kept
 from rheo_engine.runtime.tree_policy import extrapolated, running_max
-from rheo_engine.spec.lookup import Candidates
+from rheo_engine.spec.lookup import MAX_N, Candidates, LookupStats
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 MARGIN = 1.05  # a tree must beat a plain step's tokens per second by 5%
@@ -194,6 +194,31 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
         return 1, 0
     depth = max(cands.depth[i] for i in usable[: best_n - 1])
     return best_n, depth
+
+
+def accepted_bound(stats: LookupStats, depth: int) -> float:
+    """An upper bound on E[accepted] of every lookup tree no deeper than ``depth`` that
+    ``stats`` can score, whatever the context holds: a node's estimate is the product of the
+    continuation rates and shares down its path (spec.lookup.candidates), the shares of one
+    parent's children sum to at most 1, so the estimates of a depth's nodes sum to at most the
+    depth above's times the best rate of that depth."""
+    total, along = 0.0, 1.0
+    for d in range(1, depth + 1):
+        along *= max(stats.rate(n, d) for n in range(1, MAX_N + 1))
+        total += along
+    return total
+
+
+def no_tree_pays(stats: LookupStats, costs: StepCosts | LocalCosts, room: int, wanted: int,
+                 max_nodes: int, max_depth: int, scale: float = 1.0) -> bool:  # fmt: skip
+    """Whether choose_nodes must return a plain step whatever the candidates: even a tree whose
+    nodes held accepted_bound's mass, at the cheapest tree's cost, stays within MARGIN of a
+    plain step (costs are monotone in n), or no tree fits. Exact: the decoder then skips
+    building the trie (a plain step's evidence needs its first depth only)."""
+    if min(room, max_nodes) < 2 or min(max_depth, wanted - 1) < 1:
+        return True
+    bound = scale * accepted_bound(stats, min(max_depth, wanted - 1)) * (1.0 + 1e-9)
+    return (1.0 + bound) / costs.cost(2) <= MARGIN / costs.cost(1)
 
 
 def promised(cands: Candidates, n: int, wanted: int) -> float:

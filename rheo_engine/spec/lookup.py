@@ -136,12 +136,14 @@ class Candidates:
 
 
 def candidates(
-    index: LookupIndex, stats: LookupStats, max_depth: int, branches: int
-) -> Candidates:
+    index: LookupIndex, stats: LookupStats, max_depth: int, branches: int,
+    levels: int | None = None,
+) -> Candidates:  # fmt: skip
     """The context's matches as a scored trie (module docstring), built depth by depth: so
     breadth-first as it is made, and within a depth in the order of the first match through
     each node (every step runs it; building each match's path and then sorting took ~20%
-    longer on a 48-candidate trie)."""
+    longer on a 48-candidate trie). ``levels``: only the first that many depths of the same
+    trie (the same matches, nodes and scores): a plain step's shadow evidence reads depth 1."""
     out = Candidates([], [], [], [], [])
     if max_depth < 1:
         return out
@@ -153,7 +155,7 @@ def candidates(
     live = list(range(len(matches)))  # the matches that reach this depth
     rates: dict[tuple[int, int], float] = {}  # a step reads a few cells, each many times
     total = len(matches)
-    for d in range(1, max_depth + 1):
+    for d in range(1, min(max_depth, levels or max_depth) + 1):
         level: dict[tuple[int, int], int] = {}  # (parent, token) -> node, this depth
         first = len(tokens)
         reach = []
