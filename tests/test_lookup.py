@@ -670,9 +670,9 @@ def test_the_bound_covers_every_trie():
         cands = candidates(index, stats, 8, 10)
         for D in range(1, 9):
             mass = sum(math.exp(s) for s, d in zip(cands.scores, cands.depth) if d <= D)
-            bound = accepted_bound(stats, D)
+            bound = accepted_bound(stats, D, {n for n, _ in index.matches(8, 10)})
             assert mass <= bound * (1 + 1e-9), (D, mass, bound)
-            tight = max(tight, mass / bound)
+            tight = max(tight, mass / bound) if bound > 0 else tight
         first = candidates(index, stats, 8, 10, levels=1)
         depth1 = [i for i, d in enumerate(cands.depth) if d == 1]
         assert first.tokens == [cands.tokens[i] for i in depth1]
@@ -695,7 +695,8 @@ def test_no_tree_pays_only_where_choose_nodes_takes_a_plain_step():
         room, wanted = (int(torch.randint(1, 40, (1,), generator=gen)) for _ in range(2))
         scale = float(torch.rand(1, generator=gen)) * 1.5
         n, _ = choose_nodes(candidates(index, stats, 8, 10), costs, room, wanted, 24, scale)
-        if no_tree_pays(stats, costs, room, wanted, 24, 8, scale):
+        lengths = {m for m, _ in index.matches(8, 10)}
+        if no_tree_pays(stats, costs, room, wanted, 24, 8, lengths, scale):
             assert n == 1
             skipped += 1
         trees += n > 1

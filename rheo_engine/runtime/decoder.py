@@ -542,15 +542,17 @@ class BatchDecoder:
                                                             or s.local.costs is not costs):
                 s.local = LocalCosts(costs)
             local = s.local if costs is not None and not costs.pinned else costs
+            matches = s.lookup.matches(cfg.depth, cfg.topk)
             if local is not None and no_tree_pays(s.lookup_stats, local, room(s), wanted(s),
                                                   cfg.total_tokens, cfg.depth,
+                                                  {n for n, _ in matches},
                                                   s.lookup_cal.factor):  # fmt: skip
                 # No tree could pay (lookup_policy.no_tree_pays): the trie's first depth only,
                 # which is all a plain step's shadow evidence reads (_observe_lookup)
-                s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, levels=1)
+                s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, 1, matches)
                 plain.append(s)
                 continue
-            s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk)
+            s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, None, matches)
             n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens,
                                     s.lookup_cal.factor)  # fmt: skip
             if n == 1:

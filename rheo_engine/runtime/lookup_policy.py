@@ -196,28 +196,35 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
     return best_n, depth
 
 
-def accepted_bound(stats: LookupStats, depth: int) -> float:
+def accepted_bound(stats: LookupStats, depth: int, lengths) -> float:
     """An upper bound on E[accepted] of every lookup tree no deeper than ``depth`` that
-    ``stats`` can score, whatever the context holds: a node's estimate is the product of the
-    continuation rates and shares down its path (spec.lookup.candidates), the shares of one
-    parent's children sum to at most 1, so the estimates of a depth's nodes sum to at most the
-    depth above's times the best rate of that depth."""
+    ``stats`` scores from matches of the lengths n in ``lengths`` (each node keeps the length of
+    the match that made it): a node's estimate is the product of the continuation rates and
+    shares down its path (spec.lookup.candidates), the shares of one parent's children sum to
+    at most 1, so the estimates of a depth's nodes sum to at most the depth above's times the
+    best rate of that depth. Depths from LookupStats.DEPTHS on share one rate per n."""
+    if not lengths:
+        return 0.0
     total, along = 0.0, 1.0
-    for d in range(1, depth + 1):
-        along *= max(stats.rate(n, d) for n in range(1, MAX_N + 1))
+    for d in range(1, min(depth, LookupStats.DEPTHS) + 1):
+        rate = max(stats.rate(n, d) for n in lengths)
+        along *= rate
         total += along
+    if depth > LookupStats.DEPTHS:  # the rest share the last depth's rate: a geometric sum
+        rest = depth - LookupStats.DEPTHS
+        total += along * (rate * (1.0 - rate**rest) / (1.0 - rate) if rate < 1.0 else rest)
     return total
 
 
 def no_tree_pays(stats: LookupStats, costs: StepCosts | LocalCosts, room: int, wanted: int,
-                 max_nodes: int, max_depth: int, scale: float = 1.0) -> bool:  # fmt: skip
-    """Whether choose_nodes must return a plain step whatever the candidates: even a tree whose
-    nodes held accepted_bound's mass, at the cheapest tree's cost, stays within MARGIN of a
-    plain step (costs are monotone in n), or no tree fits. Exact: the decoder then skips
-    building the trie (a plain step's evidence needs its first depth only)."""
+                 max_nodes: int, max_depth: int, lengths, scale: float = 1.0) -> bool:  # fmt: skip
+    """Whether choose_nodes must return a plain step for any trie of matches of ``lengths``:
+    even a tree whose nodes held accepted_bound's mass, at the cheapest tree's cost, stays
+    within MARGIN of a plain step (costs are monotone in n), or no tree fits. Exact: the
+    decoder then skips building the trie (a plain step's evidence needs its first depth only)."""
     if min(room, max_nodes) < 2 or min(max_depth, wanted - 1) < 1:
         return True
-    bound = scale * accepted_bound(stats, min(max_depth, wanted - 1)) * (1.0 + 1e-9)
+    bound = scale * accepted_bound(stats, min(max_depth, wanted - 1), lengths) * (1.0 + 1e-9)
     return (1.0 + bound) / costs.cost(2) <= MARGIN / costs.cost(1)
 
 

@@ -137,19 +137,21 @@ class Candidates:
 
 def candidates(
     index: LookupIndex, stats: LookupStats, max_depth: int, branches: int,
-    levels: int | None = None,
+    levels: int | None = None, matches: list[tuple[int, list[int]]] | None = None,
 ) -> Candidates:  # fmt: skip
     """The context's matches as a scored trie (module docstring), built depth by depth: so
     breadth-first as it is made, and within a depth in the order of the first match through
     each node (every step runs it; building each match's path and then sorting took ~20%
     longer on a 48-candidate trie). ``levels``: only the first that many depths of the same
-    trie (the same matches, nodes and scores): a plain step's shadow evidence reads depth 1."""
+    trie (the same matches, nodes and scores): a plain step's shadow evidence reads depth 1.
+    ``matches``: index.matches(max_depth, branches) when the caller already has them."""
     out = Candidates([], [], [], [], [])
     if max_depth < 1:
         return out
     tokens, parents, depth, match_n, scores = (out.tokens, out.parents, out.depth, out.match_n,
                                                out.scores)  # fmt: skip
-    matches = index.matches(max_depth, branches)
+    if matches is None:
+        matches = index.matches(max_depth, branches)
     weight: list[int] = []  # continuations through each node
     at = [-1] * len(matches)  # each match's node at the depth above (-1: the root)
     live = list(range(len(matches)))  # the matches that reach this depth
