@@ -8,7 +8,8 @@
 // is loaded (and converted from bf16/fp16) once per task and used by all M queries. The rows a
 // query sees are walked in tiles of kTileRows with an online softmax (running max and sum per
 // query, as in FlashAttention), which keeps the per-thread workspace small whatever the prefix
-// length; the tiles count the rows each query sees, not the slot's (run_task). Everything is float32: loads are converted, scores, softmax and the V accumulation too.
+// length; the tiles count the rows each query sees, not the slot's (run_task). Everything is
+// float32: loads are converted, scores, softmax and the V accumulation too.
 //
 // A score is the sum over d in order of q[d] * k[d] (each product and sum rounded), computed
 // with the vector lanes over a tile's cache rows (K converted and transposed 8 x 8): a plain
@@ -76,8 +77,8 @@ void store_row(void* base, int64_t offset, const float* src, int64_t D, DType dt
 
 typedef float f32x8 __attribute__((vector_size(32)));
 constexpr int kRowVecs = kTileRows / 8;  // vectors of cache rows in a tile
-// head-dim columns per V block (D is padded to it): 2 queries x 4 vectors = 8 independent sums,
-// where 2 x 2 left pv_block waiting on its adds' latency (N = 16 nodes, 300 rows: 2x slower)
+// head-dim columns per V block (D is padded to it): pv_block's 2 queries x 4 vectors are 8
+// independent sums (2 x 2 waited on the adds' latency)
 constexpr int kDimBlock = 32;
 constexpr int kDimVecs = kDimBlock / 8;
 
@@ -550,8 +551,8 @@ void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspa
 }
 
 // One softmax tile over the cache rows [lo, hi) (hi - lo <= ws.ld_p): scores in chunks of
-// kTileRows, then visible(m, j) says which of them query m sees (-inf otherwise), one online-softmax
-// update over the whole width, and the V rows in the same chunks.
+// kTileRows, then visible(m, j) says which of them query m sees (-inf otherwise), one
+// online-softmax update over the whole width, and the V rows in the same chunks.
 template <typename Visible>
 void run_tile(const TreeAttentionArgs& a, const Task& t, int64_t lo, int64_t hi, Workspace& ws,
               ExpRow exp_row, Visible visible) {
@@ -594,7 +595,7 @@ void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& w
     }
   }
   for (int64_t k = 0; k <= last; ++k) {
-    int64_t lo = k == 0 ? P0 : P + T, hi = k == 0 ? P : P;
+    int64_t lo = k == 0 ? P0 : P + T, hi = P;  // tile 0 starts with the prefix's last rows
     for (int64_t i = 0; i < t.nodes; ++i)
       for (int64_t c = 0; c < T; ++c)
         if (tile[i * T + c] == k) {
@@ -652,7 +653,7 @@ void tree_attention_cpu(const TreeAttentionArgs& args) {
   const ExpRow exp_row = vector_exp();  // (its first call checks it, outside the parallel region)
   // One workspace per thread, allocated here: nothing may throw inside the parallel region. The
   // calling thread's are kept for its next call of the same sizes (every layer of a step, every
-  // step: ~40 KB zeroed a call was ~5 us of a plain step's ~10 us attention at one node).
+  // step), rather than ~40 KB allocated and zeroed a call.
   const int64_t T = tree_rows(args);
   thread_local std::vector<Workspace> kept;
   thread_local int64_t kept_sizes[4] = {-1, -1, -1, -1};
