@@ -552,15 +552,7 @@ void quantize_rows_q8_cpu(const QuantRowsArgs& a) {
 }
 
 void quant_linear_cpu(const QuantLinearArgs& a) {
-  RHEO_CHECK(a.n >= 0 && a.out >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
-             "quant_linear needs n, out >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in,
-             ", out=", a.out);
-  const int64_t panels = (a.out + kQuantPanel - 1) / kQuantPanel;
-  RHEO_CHECK(0 <= a.p_begin && a.p_begin <= a.p_end && a.p_end <= panels,
-             "quant_linear needs 0 <= p_begin <= p_end <= ", panels, " panels, got [", a.p_begin,
-             ", ", a.p_end, ")");
-  RHEO_CHECK(a.y_stride >= a.out, "quant_linear needs y_stride >= out=", a.out, ", got ",
-             a.y_stride);
+  check_quant_linear_args(a);
   RHEO_CHECK(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat32,
              "quant_linear writes bfloat16 or float32 y; pick one");
   if (a.n == 0) return;

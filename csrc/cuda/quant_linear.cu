@@ -152,15 +152,7 @@ cudaError_t quantize_rows_q8_cuda(const QuantRowsArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t quant_linear_cuda(const QuantLinearArgs& a, cudaStream_t stream) {
-  RHEO_CHECK(a.n >= 0 && a.out >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
-             "quant_linear needs n, out >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in,
-             ", out=", a.out);
-  const int64_t panels = (a.out + kQuantPanel - 1) / kQuantPanel;
-  RHEO_CHECK(0 <= a.p_begin && a.p_begin <= a.p_end && a.p_end <= panels,
-             "quant_linear needs 0 <= p_begin <= p_end <= ", panels, " panels, got [", a.p_begin,
-             ", ", a.p_end, ")");
-  RHEO_CHECK(a.y_stride >= a.out, "quant_linear needs y_stride >= out=", a.out, ", got ",
-             a.y_stride);
+  check_quant_linear_args(a);
   const int64_t rows = (a.p_end - a.p_begin) * kQuantPanel;
   if (a.n == 0 || rows == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);

@@ -93,6 +93,19 @@ struct QuantLinearArgs {
 // Rules: in % 32 == 0, n >= 0, x_stride >= in, y_stride >= out,
 // 0 <= p_begin <= p_end <= ceil(out / 16). A caller splits the work by giving each thread panels.
 
+// QuantLinearArgs' rules (y's dtype apart), checked by both kernels before any work.
+inline void check_quant_linear_args(const QuantLinearArgs& a) {
+  RHEO_CHECK(a.n >= 0 && a.out >= 0 && a.in >= 0 && a.in % kQuantBlock == 0,
+             "quant_linear needs n, out >= 0 and in a multiple of 32, got n=", a.n, ", in=", a.in,
+             ", out=", a.out);
+  const int64_t panels = (a.out + kQuantPanel - 1) / kQuantPanel;
+  RHEO_CHECK(0 <= a.p_begin && a.p_begin <= a.p_end && a.p_end <= panels,
+             "quant_linear needs 0 <= p_begin <= p_end <= ", panels, " panels, got [", a.p_begin,
+             ", ", a.p_end, ")");
+  RHEO_CHECK(a.y_stride >= a.out, "quant_linear needs y_stride >= out=", a.out, ", got ",
+             a.y_stride);
+}
+
 // Rows of a packed W, dequantized (an embedding table kept quantized):
 //   out[i, :] = W[ids[i], :], each value quant_value's (as gguf.quants computes it in float32),
 //   then rounded once to out's dtype (bf16: to nearest even).
