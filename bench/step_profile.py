@@ -208,6 +208,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # What a GPU would launch: on the CPU one sequence's layers run in one C++ call
+    # (LlamaModel._one_call), which a GPU does not have; count the layers' operators instead.
+    from rheo_engine.models.llama import LlamaModel
+
+    LlamaModel.one_call = False
     with checking():
         check_output(args.md, "--md")
         target, draft, engine = load_pair(args)

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace rheo::bind {
 
@@ -19,6 +20,33 @@ void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta,
 void rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H,
              int64_t Hkv, at::Tensor& q_out, at::Tensor& k_out);
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
+
+// A Llama target's decoder layers on the CPU in one call for one sequence in a KV slot
+// (bindings/decoder_layers.cpp): the weights are held once, run() takes a step's tensors.
+class DecoderLayers {
+ public:
+  // norms: attn_norm, mlp_norm per layer; weights: qkv, o, gate_up, down per layer, each packed
+  // GGUF blocks (types[i] = its QuantType) or a dense matrix (types[i] = -1), outs[i] its rows.
+  DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
+                std::vector<int64_t> types, std::vector<int64_t> outs, at::Tensor final_norm,
+                double eps, int64_t H, int64_t Hkv, int64_t D);
+  // x [1, n, hidden] embeddings; cos, sin [1, n, D/2]; k_pool, v_pool [layers, slots, rows, Hkv,
+  // D]: the n new rows go to rows lo.. of ``slot``, which holds lo committed rows; tree_mask
+  // [1, n, T] uint8. Returns {the final normed state [1, n, hidden]} and, with feature_layers,
+  // the residuals entering those layers concatenated [1, n, len * hidden].
+  std::vector<at::Tensor> run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t slot,
+                              int64_t lo, const at::Tensor& tree_mask,
+                              const std::vector<int64_t>& feature_layers) const;
+
+ private:
+  at::Tensor linear(const at::Tensor& x, size_t w) const;
+  std::vector<at::Tensor> norms_, weights_;
+  std::vector<int64_t> types_, outs_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t H_, Hkv_, D_;
+};
 
 // logit controls (csrc/include/rheo/logit_controls.h): penalties and bans per node, in place
 void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,

@@ -77,6 +77,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &b::add_rms_norm, "RMSNorm (HF Llama) of x + delta; writes both.");
   m.def("rope_qk", &b::rope_qk, "RoPE (rotate_half) on the q and k heads of a fused qkv.");
   m.def("silu_mul", &b::silu_mul, "SiLU(gate) * up from a fused gate_up.");
+  pybind11::class_<b::DecoderLayers>(m, "DecoderLayers",
+                                     "A Llama target's decoder layers on the CPU in one call.")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                          std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t>())
+      .def("run", &b::DecoderLayers::run, "One sequence's forward through every layer.");
   // logit controls
   m.def("logit_controls", &b::logit_controls, "Penalties and bans of each node's row, in place.");
   // pool sampler

@@ -370,10 +370,15 @@ def count_batch(engine, B: int, method: str) -> tuple[list[tuple[int, int, int]]
 
 
 @pytest.mark.parametrize("method", ["ar", "rheo"])
-def test_a_batched_step_reads_once_per_batch(default_engine, method):
+def test_a_batched_step_reads_once_per_batch(default_engine, method, monkeypatch):
     """Four sequences: each batch a step runs reads the device once (a step splits into two
     batches only where sequences near their end cut their fixed tree differently), and the
-    operators per token fall with the batch: one target forward serves all four."""
+    operators per token fall with the batch: one target forward serves all four. (Both counts
+    run the layers' loop in Python: alone, one sequence's layers would run in one C++ call,
+    LlamaModel._one_call, whose operators the counter does not see.)"""
+    from rheo_engine.models.llama import LlamaModel
+
+    monkeypatch.setattr(LlamaModel, "one_call", False)
     steps, tokens = count_batch(default_engine, 4, method)
     assert all(reads == batches for reads, batches, _ in steps), steps
     # A sequence cuts its tree in its last steps (room below the tree's size; with 16 new

@@ -20,6 +20,7 @@ from rheo_engine.config import ModelConfig
 from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
 from rheo_engine.io.weights import load_safetensors, open_safetensors, read_parts, tensor_part
 from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
+from rheo_engine.models.linear import forced as linear_forced
 from rheo_engine.models.linear import linear
 from rheo_engine.models.quant import QUANTIZE_CHOICES, QuantWeight, embedding, quantize_q8_0
 from rheo_engine.parallel import TPGroup
@@ -529,7 +530,14 @@ class LlamaModel:
         captured: dict[int, torch.Tensor] = {}
         x = embedding(tokens, self.embed_tokens)  # [B, n, hidden]
         if fused:
-            x, features = self._fused_layers(x, cos, sin, cache, tree_mask, feature_layers)
+            one_call = self._one_call(cache, x)
+            if one_call is not None:  # the same kernels in the same order, from C++
+                cache.check_room(n)
+                out = one_call.run(x, cos, sin, cache.pool.k, cache.pool.v, cache.slots[0],
+                                   cache.lengths[0], tree_mask.contiguous(), list(feature_layers))
+                x, features = out[0], out[1] if feature_layers else None
+            else:
+                x, features = self._fused_layers(x, cos, sin, cache, tree_mask, feature_layers)
             if last_logits_only:
                 x = x[:, -1:]
             return self._logits(x, output_hidden), features
@@ -555,6 +563,48 @@ class LlamaModel:
     # above, which the fused ops equal bit for bit except the norms' variance (~1 ulp apart):
     # kept for comparison (tests/test_fused_ops.py, bench/op_count.py), CUDA and fp16.
     fused: bool = os.environ.get("RHEO_FUSED", "1") != "0"
+
+    # The layers in one C++ call where _one_call allows (False, or RHEO_ONE_CALL=0, runs the
+    # Python loop: bench/step_profile.py counts the operators a GPU would launch with it).
+    one_call: bool = os.environ.get("RHEO_ONE_CALL", "1") != "0"
+
+    def _one_call(self, cache: KVCache | SlotBatch, x: torch.Tensor):
+        """kernels.decoder_layers over this model's weights when the fused loop below can run in
+        one C++ call: one sequence in a SlotBatch (a decode step or a tree), no tensor
+        parallelism, no autograd, x in the model's dtype, and every matrix packed (QuantWeight)
+        or one the skinny kernel runs (models/linear.uses_skinny; not with RHEO_LINEAR=torch).
+        None otherwise. The loop in Python paid ~25 operators' dispatch a layer (SmolLM2: about
+        a fifth of a plain step)."""
+        if not self.one_call or not isinstance(cache, SlotBatch) or cache.batch != 1 or \
+                x.shape[0] != 1:  # fmt: skip
+            return None
+        if self.tp is not None or torch.is_grad_enabled() or x.dtype != self.dtype:
+            return None
+        if linear_forced() == "torch":
+            return None
+        built = self.__dict__.get("_decoder_layers")
+        if built is None:
+            built = self._decoder_layers = self._build_one_call() or False
+        return built or None
+
+    def _build_one_call(self):
+        norms, weights, types, outs = [], [], [], []
+        for layer in self.layers:
+            norms += [layer.attn_norm, layer.mlp_norm]
+            for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
+                if isinstance(w, QuantWeight):
+                    weights.append(w.packed)
+                    types.append(kernels.QUANT_TYPES[w.qtype])
+                    outs.append(w.shape[0])
+                elif w.dim() == 2 and w.dtype == self.dtype and w.device.type == "cpu":
+                    weights.append(w.contiguous())
+                    types.append(-1)
+                    outs.append(w.shape[0])
+                else:
+                    return None
+        return kernels.decoder_layers(norms, weights, types, outs, self.norm,
+                                      self.cfg.rms_norm_eps, self.heads, self.kv_heads,
+                                      self.cfg.head_dim)  # fmt: skip
 
     def _fused_layers(
         self,

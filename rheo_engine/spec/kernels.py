@@ -348,6 +348,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def decoder_layers(norms: list[torch.Tensor], weights: list[torch.Tensor], types: list[int],
+                   outs: list[int], final_norm: torch.Tensor, eps: float, H: int, Hkv: int,
+                   D: int):  # fmt: skip
+    """A Llama target's decoder layers on the CPU in one call (bindings/decoder_layers.cpp):
+    ``norms`` attn_norm, mlp_norm per layer; ``weights`` qkv, o, gate_up, down per layer, each
+    packed GGUF blocks (``types`` its QUANT_TYPES value, ``outs`` its rows) or a dense matrix
+    run by skinny_linear (type -1). Its ``run(x [1, n, hidden], cos, sin [1, n, D/2], k_pool,
+    v_pool [layers, slots, rows, Hkv, D], slot, lo, tree_mask [1, n, T] uint8,
+    feature_layers)`` is LlamaModel's fused layer loop for one sequence in a KV slot, the same
+    kernels in the same order: [normed [1, n, hidden]] plus the features when asked."""
+    return _C.DecoderLayers(norms, weights, types, outs, final_norm, eps, H, Hkv, D)
+
+
 # --- quantized linear ---------------------------------------------------------------------
 
 QUANT_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # csrc/include/rheo/quant_linear.h QuantType

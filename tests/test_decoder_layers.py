@@ -1,0 +1,81 @@
+"""kernels.decoder_layers: a Llama target's layers in one C++ call (one sequence in a KV slot)
+against LlamaModel's fused loop in Python, bit for bit: logits, features and the KV rows both
+leave, for a prefill, a tree and a decode step, in Q4_1 (SmolLM2, kept quantized), bf16 and fp32;
+and when the one call is not taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheo_engine.models.kv_cache import SlotPool
+from rheo_engine.models.llama import LlamaModel
+from rheo_engine.runtime.engine import DEFAULT_PAIR
+
+
+def default_target(dtype: torch.dtype) -> LlamaModel:
+    return LlamaModel.from_pretrained(DEFAULT_PAIR / "target", dtype=dtype)
+
+
+def smollm2_q4_1() -> LlamaModel:
+    from rheo_engine.io.gguf import read_gguf
+    from rheo_engine.runtime.pairs import smollm2_gguf
+
+    return LlamaModel.from_gguf(read_gguf(smollm2_gguf()), dtype=torch.bfloat16, quantized=True)
+
+
+def run(model: LlamaModel, one_call: bool, features: tuple[int, ...]):
+    """A 40-token prefill, a 5-node tree (two branches) and a decode step in slot 1 of a
+    pool of 3, by the one call or by the Python loop: their outputs and the slot's K/V rows."""
+    if one_call:
+        model.__dict__.pop("_decoder_layers", None)
+    else:
+        model._decoder_layers = False  # the loop in Python
+    pool = SlotPool(model.cfg.num_hidden_layers, 3, 64, model.kv_heads, model.cfg.head_dim,
+                    model.dtype)  # fmt: skip
+    view = pool.batch([1])
+    outs = []
+    with torch.no_grad():
+        prompt = (torch.arange(40) * 37 % 500).view(1, -1)
+        outs += model.forward(prompt, torch.arange(40).view(1, -1), view, None, features)
+        view.advance(40)
+        mask = torch.ones(1, 5, 5, dtype=torch.uint8).tril()
+        mask[0, 2, 1] = mask[0, 4, 3] = mask[0, 4, 1] = 0  # 0 -> {1, 2}, 1 -> 3, 2 -> 4
+        mask[0, 3, 2] = 0
+        tokens, positions = torch.tensor([[5, 9, 13, 17, 21]]), torch.tensor([[40, 41, 41, 42, 42]])
+        outs += model.forward(tokens, positions, view, mask, features)
+        view.commit_paths(torch.tensor([[0, 2, 4]]), [3])
+        one = torch.ones(1, 1, 1, dtype=torch.uint8)
+        outs += model.forward(torch.tensor([[7]]), torch.tensor([[43]]), view, one, features)
+    taken = bool(model.__dict__.get("_decoder_layers"))
+    return outs, pool.k[:, 1, :44].clone(), pool.v[:, 1, :44].clone(), taken
+
+
+@pytest.mark.parametrize("which", ["default fp32", "default bf16", "smollm2 q4_1"])
+def test_one_call_equals_the_python_loop_bit_for_bit(which):
+    model = {"default fp32": lambda: default_target(torch.float32),
+             "default bf16": lambda: default_target(torch.bfloat16),
+             "smollm2 q4_1": smollm2_q4_1}[which]()  # fmt: skip
+    features = (1, model.cfg.num_hidden_layers - 1)
+    loop, k_loop, v_loop, loop_taken = run(model, False, features)
+    fast, k_fast, v_fast, fast_taken = run(model, True, features)
+    assert fast_taken and not loop_taken, "the one call was not (or always) taken: a weak test"
+    assert len(loop) == len(fast) == 6
+    for a, b in zip(loop, fast, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(k_loop, k_fast) and torch.equal(v_loop, v_fast)
+
+
+def test_the_python_loop_runs_where_the_one_call_does_not_apply(monkeypatch):
+    """A batch of two sequences, RHEO_LINEAR=torch and autograd take the loop."""
+    model = default_target(torch.float32)
+    pool = SlotPool(model.cfg.num_hidden_layers, 2, 16, model.kv_heads, model.cfg.head_dim,
+                    model.dtype)  # fmt: skip
+    x = torch.zeros(1, 1, model.cfg.hidden_size)
+    with torch.no_grad():
+        assert model._one_call(pool.batch([0]), x) is not None
+        assert model._one_call(pool.batch([0, 1]), x.expand(2, 1, -1)) is None
+        monkeypatch.setenv("RHEO_LINEAR", "torch")
+        assert model._one_call(pool.batch([0]), x) is None
+    monkeypatch.delenv("RHEO_LINEAR")
+    assert model._one_call(pool.batch([0]), x) is None  # autograd on
