@@ -48,6 +48,31 @@ class DecoderLayers {
   int64_t H_, Hkv_, D_;
 };
 
+// An EAGLE-3 head's draft level on the CPU in one call for one sequence in a slot of its KV pool
+// (Eagle3Head.layer_in_pool, then logits).
+class DraftLevel {
+ public:
+  // norms: input_layernorm, hidden_norm, post_attention_layernorm, norm; weights: qkv (stacked),
+  // o, gate_up (stacked), down, lm_head, as DecoderLayers takes them.
+  DraftLevel(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
+             std::vector<int64_t> types, std::vector<int64_t> outs, double eps, int64_t H,
+             int64_t Hkv, int64_t D);
+  // h, e [1, n, hidden]: the parents' states and the nodes' embeddings; cos, sin [1, n, D/2];
+  // k_pool, v_pool [1, slots, rows, Hkv, D]: the n nodes' K/V go to rows row0.. of ``slot``,
+  // which they attend after its first ``prefix`` rows as tree_mask [1, n, T] allows. Returns
+  // {h2 [1, n, hidden], logits [1, n, Vd] float32}.
+  std::vector<at::Tensor> run(const at::Tensor& h, const at::Tensor& e, const at::Tensor& cos,
+                              const at::Tensor& sin, const at::Tensor& k_pool,
+                              const at::Tensor& v_pool, int64_t slot, int64_t row0,
+                              int64_t prefix, const at::Tensor& tree_mask) const;
+
+ private:
+  std::vector<at::Tensor> norms_, weights_;
+  std::vector<int64_t> types_, outs_;
+  double eps_;
+  int64_t H_, Hkv_, D_;
+};
+
 // logit controls (csrc/include/rheo/logit_controls.h): penalties and bans per node, in place
 void logit_controls(at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
                     const at::Tensor& history_ids, const at::Tensor& history_counts,

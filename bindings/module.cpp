@@ -82,6 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                           std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t>())
       .def("run", &b::DecoderLayers::run, "One sequence's forward through every layer.");
+  pybind11::class_<b::DraftLevel>(m, "DraftLevel",
+                                  "An EAGLE-3 head's draft level on the CPU in one call.")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                          std::vector<int64_t>, double, int64_t, int64_t, int64_t>())
+      .def("run", &b::DraftLevel::run, "One sequence's level: h2 and the draft logits.");
   // logit controls
   m.def("logit_controls", &b::logit_controls, "Penalties and bans of each node's row, in place.");
   // pool sampler

@@ -1,7 +1,8 @@
 """kernels.decoder_layers: a Llama target's layers in one C++ call (one sequence in a KV slot)
 against LlamaModel's fused loop in Python, bit for bit: logits, features and the KV rows both
 leave, for a prefill, a tree and a decode step, in Q4_1 (SmolLM2, kept quantized), bf16 and fp32;
-and when the one call is not taken."""
+and when the one call is not taken. kernels.draft_level likewise against Eagle3Head's level in
+Python (layer_in_pool, then logits), the head in Q8_0 and in bf16."""
 
 from __future__ import annotations
 
@@ -79,3 +80,45 @@ def test_the_python_loop_runs_where_the_one_call_does_not_apply(monkeypatch):
         assert model._one_call(pool.batch([0]), x) is None
     monkeypatch.delenv("RHEO_LINEAR")
     assert model._one_call(pool.batch([0]), x) is None  # autograd on
+
+
+def levels(head, one_call: bool):
+    """root_logits and two levels of 4 nodes after 60 pairs (Eagle3Drafter, in its pool): the
+    draft logits, the frontier's h2 and the pool's K/V, by the one call or the Python path."""
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.models.eagle3_drafter import Eagle3Drafter
+
+    before = Eagle3Head.one_call
+    Eagle3Head.one_call = one_call
+    try:
+        g = torch.Generator().manual_seed(3)
+        drafter = Eagle3Drafter(head, max_len=80)
+        c = head.cfg
+        features = torch.randn(1, 60, len(head.feature_layers) * c.target_hidden_size, generator=g)
+        next_tokens = torch.randint(0, c.vocab_size, (1, 60), generator=g)
+        drafter.prefill(features.to(head.dtype), next_tokens)
+        tokens = torch.randint(0, c.vocab_size, (1, 4), generator=g)
+        with torch.no_grad():
+            out = [drafter.root_logits()]
+            out.append(drafter.expand(1, torch.zeros(1, 4, dtype=torch.long), tokens))
+            out.append(drafter.expand(2, torch.tensor([[3, 0, 2, 1]]), tokens + 1))
+        assert drafter._in_pool, "the levels ran on the gathered path: a weak test"
+        return out + [drafter._frontier_h.clone(), drafter.pool.k.clone(), drafter.pool.v.clone()]
+    finally:
+        Eagle3Head.one_call = before
+
+
+@pytest.mark.parametrize("q8", [True, False])
+def test_level_one_call_equals_the_python_level_bit_for_bit(q8):
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.runtime.engine import DEFAULT_PAIR as PAIR
+
+    target = smollm2_q4_1()
+    head = Eagle3Head.from_pretrained(PAIR.parent / "smollm2" / "head", target)
+    if q8:
+        head.quantize("q8_0")
+    python = levels(head, False)
+    fast = levels(head, True)
+    assert head.__dict__.get("_level", (None, None))[1] is not None, "the one call never ran"
+    for a, b in zip(python, fast, strict=True):
+        assert torch.equal(a, b)

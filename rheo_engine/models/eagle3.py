@@ -31,6 +31,7 @@ from rheo_engine.models.eagle3_config import (
     check_layer_ids,
 )
 from rheo_engine.models.kv_cache import SlotPool
+from rheo_engine.models.linear import forced as linear_forced
 from rheo_engine.models.linear import linear
 from rheo_engine.models.quant import QuantWeight, quantize_q8_0
 from rheo_engine.spec import kernels
@@ -559,6 +560,68 @@ class Eagle3Head:
         attn = kernels.tree_attention(q, pool_k, pool_v, tree_mask, prefix_len,
                                       prefix_lens=prefix_lens, kv_slots=kv_slots)  # fmt: skip
         return self._fused_rest(h, attn, weights)
+
+    # A level in one C++ call where level_one_call allows (False, or RHEO_ONE_CALL=0: the
+    # operators in Python, as LlamaModel.one_call).
+    one_call: bool = os.environ.get("RHEO_ONE_CALL", "1") != "0"
+
+    def level_one_call(
+        self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, pool: SlotPool,
+        slot: int, row0: int, prefix: int, tree_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """layer_in_pool then logits for one sequence, in one C++ call (kernels.draft_level: the
+        same kernels in the same order, the same bits): the n pairs' K/V into rows row0.. of
+        ``slot`` of ``pool``, attending its first ``prefix`` rows and the rows tree_mask
+        [1, n, T] uint8 allows. Returns (h2 [1, n, H], logits [1, n, Vd] float32), or None where
+        it does not apply (a batch, autograd, CUDA, RHEO_LINEAR=torch, a matrix the skinny
+        kernel does not run): then the caller runs the two. A level in Python paid ~50
+        operators' dispatch, about half of it at one node (BENCHMARKS.md)."""
+        if not self.one_call or h.shape[0] != 1 or not self._fused_ok(h):
+            return None
+        if torch.is_grad_enabled() or h.dtype != self.dtype or linear_forced() == "torch":
+            return None
+        weights = self._fused_weights()
+        runner = self._level_runner(weights)
+        if runner is None:
+            return None
+        e = self.embed(tokens)  # [1, n, H]
+        freqs = positions.float().unsqueeze(-1) * weights[2]  # [1, n, D/2], as _fused_qkv
+        cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
+        h2, logits = runner.run(h, e, cos, sin, pool.k, pool.v, slot, row0, prefix, tree_mask)
+        return h2, logits
+
+    def _level_runner(self, weights: tuple):
+        """kernels.draft_level over the head's weights (``weights``: _fused_weights()), built
+        once while they are unchanged; None when a matrix is neither packed nor dense in the
+        head's dtype on the CPU."""
+        w, (w_qkv, w_gate_up, _) = self.w, weights
+        norms = [w[f"midlayer.{k}.weight"] for k in ("input_layernorm", "hidden_norm",
+                                                      "post_attention_layernorm")]  # fmt: skip
+        norms.append(w["norm.weight"])
+        mats = [w_qkv, w["midlayer.self_attn.o_proj.weight"], w_gate_up,
+                w["midlayer.mlp.down_proj.weight"], w["lm_head.weight"]]  # fmt: skip
+        key = tuple((id(t), getattr(t, "_version", 0)) for t in (*norms, *mats))
+        kept = self.__dict__.get("_level")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        runner, packed, types, outs = None, [], [], []
+        for m in mats:
+            if isinstance(m, QuantWeight):
+                packed.append(m.packed)
+                types.append(kernels.QUANT_TYPES[m.qtype])
+            elif m.dim() == 2 and m.dtype == self.dtype and m.device.type == "cpu":
+                packed.append(m.contiguous())
+                types.append(-1)
+            else:
+                break
+            outs.append(m.shape[0])
+        else:
+            c = self.cfg
+            runner = kernels.draft_level(norms, packed, types, outs, c.rms_norm_eps,
+                                         c.num_attention_heads, c.num_key_value_heads,
+                                         c.head_dim)  # fmt: skip
+        self._level = (key, runner)
+        return runner
 
     def _fused_qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                    weights: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -361,6 +361,17 @@ def decoder_layers(norms: list[torch.Tensor], weights: list[torch.Tensor], types
     return _C.DecoderLayers(norms, weights, types, outs, final_norm, eps, H, Hkv, D)
 
 
+def draft_level(norms: list[torch.Tensor], weights: list[torch.Tensor], types: list[int],
+                outs: list[int], eps: float, H: int, Hkv: int, D: int):  # fmt: skip
+    """An EAGLE-3 head's draft level on the CPU in one call (bindings/decoder_layers.cpp):
+    ``norms`` input_layernorm, hidden_norm, post_attention_layernorm, norm; ``weights`` qkv
+    (stacked), o, gate_up (stacked), down, lm_head, each packed or dense as decoder_layers takes
+    them. Its ``run(h, e [1, n, hidden], cos, sin [1, n, D/2], k_pool, v_pool [1, slots, rows,
+    Hkv, D], slot, row0, prefix, tree_mask [1, n, T] uint8)`` is Eagle3Head.layer_in_pool then
+    logits for one sequence, the same kernels in the same order: [h2, logits float32]."""
+    return _C.DraftLevel(norms, weights, types, outs, eps, H, Hkv, D)
+
+
 # --- quantized linear ---------------------------------------------------------------------
 
 QUANT_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # csrc/include/rheo/quant_linear.h QuantType
