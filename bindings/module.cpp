@@ -77,12 +77,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &b::add_rms_norm, "RMSNorm (HF Llama) of x + delta; writes both.");
   m.def("rope_qk", &b::rope_qk, "RoPE (rotate_half) on the q and k heads of a fused qkv.");
   m.def("silu_mul", &b::silu_mul, "SiLU(gate) * up from a fused gate_up.");
-  pybind11::class_<b::DecoderLayers>(m, "DecoderLayers",
+  // module_local: tests load a second build of this module (the CUDA emulator's) beside it
+  pybind11::class_<b::DecoderLayers>(m, "DecoderLayers", pybind11::module_local(),
                                      "A Llama target's decoder layers on the CPU in one call.")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                           std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t>())
       .def("run", &b::DecoderLayers::run, "One sequence's forward through every layer.");
-  pybind11::class_<b::DraftLevel>(m, "DraftLevel",
+  pybind11::class_<b::DraftLevel>(m, "DraftLevel", pybind11::module_local(),
                                   "An EAGLE-3 head's draft level on the CPU in one call.")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                           std::vector<int64_t>, double, int64_t, int64_t, int64_t>())
