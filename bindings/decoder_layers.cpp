@@ -107,6 +107,21 @@ struct Slot {
   }
 };
 
+// The norm of the residual x + delta (x alone while delta is undefined: the first layer),
+// kernels.add_rms_norm's; x becomes the residual. Returns the normed state.
+at::Tensor residual_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps) {
+  at::Tensor normed = at::empty_like(x);
+  if (!delta.defined()) {
+    add_rms_norm(x, std::nullopt, weight, eps, std::nullopt, normed);
+    return normed;
+  }
+  at::Tensor residual = at::empty_like(x);
+  add_rms_norm(x, delta, weight, eps, residual, normed);
+  x = residual;
+  return normed;
+}
+
 }  // namespace
 
 at::Tensor DecoderLayers::linear(const at::Tensor& x, size_t w) const {
@@ -130,14 +145,7 @@ std::vector<at::Tensor> DecoderLayers::run(at::Tensor x, const at::Tensor& cos,
   std::vector<at::Tensor> captured(feature_layers.size());
   at::Tensor delta;  // the previous layer's MLP output, added to x by the next norm
   for (int64_t i = 0; i < L; ++i) {
-    at::Tensor normed = at::empty_like(x);
-    if (delta.defined()) {
-      at::Tensor residual = at::empty_like(x);
-      add_rms_norm(x, delta, norms_[2 * i], eps_, residual, normed);
-      x = residual;
-    } else {
-      add_rms_norm(x, std::nullopt, norms_[2 * i], eps_, std::nullopt, normed);
-    }
+    const at::Tensor normed = residual_norm(x, delta, norms_[2 * i], eps_);
     for (size_t j = 0; j < feature_layers.size(); ++j)
       if (feature_layers[j] == i) captured[j] = x;  // the residual entering layer i
     const at::Tensor qkv = linear(normed, 4 * i);  // [1, n, (H + 2 Hkv) D]
@@ -146,22 +154,12 @@ std::vector<at::Tensor> DecoderLayers::run(at::Tensor x, const at::Tensor& cos,
     cache.write(i, lo, n, k, qkv, (H + Hkv) * D);
     const at::Tensor attn = cache.attend(i, q, lo, tree_mask);
     const at::Tensor o = linear(attn.view({1, n, H * D}), 4 * i + 1);
-    at::Tensor residual = at::empty_like(x);
-    normed = at::empty_like(x);
-    add_rms_norm(x, o, norms_[2 * i + 1], eps_, residual, normed);
-    x = residual;
-    const at::Tensor gate_up = linear(normed, 4 * i + 2);
+    const at::Tensor gate_up = linear(residual_norm(x, o, norms_[2 * i + 1], eps_), 4 * i + 2);
     at::Tensor act = at::empty({1, n, gate_up.size(2) / 2}, x.options());
     silu_mul(gate_up, act);
     delta = linear(act, 4 * i + 3);
   }
-  at::Tensor normed = at::empty_like(x);
-  if (delta.defined()) {
-    at::Tensor residual = at::empty_like(x);
-    add_rms_norm(x, delta, final_norm_, eps_, residual, normed);
-  } else {
-    add_rms_norm(x, std::nullopt, final_norm_, eps_, std::nullopt, normed);
-  }
+  const at::Tensor normed = residual_norm(x, delta, final_norm_, eps_);
   if (captured.empty()) return {normed};
   return {normed, at::cat(captured, -1)};
 }

@@ -32,7 +32,7 @@ from rheo_engine.models.eagle3_config import (
 )
 from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import forced as linear_forced
-from rheo_engine.models.linear import linear
+from rheo_engine.models.linear import linear, one_call_matrix
 from rheo_engine.models.quant import QuantWeight, quantize_q8_0
 from rheo_engine.spec import kernels
 
@@ -584,10 +584,9 @@ class Eagle3Head:
         runner = self._level_runner(weights)
         if runner is None:
             return None
-        e = self.embed(tokens)  # [1, n, H]
-        freqs = positions.float().unsqueeze(-1) * weights[2]  # [1, n, D/2], as _fused_qkv
-        cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
-        h2, logits = runner.run(h, e, cos, sin, pool.k, pool.v, slot, row0, prefix, tree_mask)
+        cos, sin = _rope_tables(positions, weights[2], h.dtype)
+        h2, logits = runner.run(h, self.embed(tokens), cos, sin, pool.k, pool.v, slot, row0,
+                                prefix, tree_mask)  # fmt: skip
         return h2, logits
 
     def _level_runner(self, weights: tuple):
@@ -604,18 +603,9 @@ class Eagle3Head:
         kept = self.__dict__.get("_level")
         if kept is not None and kept[0] == key:
             return kept[1]
-        runner, packed, types, outs = None, [], [], []
-        for m in mats:
-            if isinstance(m, QuantWeight):
-                packed.append(m.packed)
-                types.append(kernels.QUANT_TYPES[m.qtype])
-            elif m.dim() == 2 and m.dtype == self.dtype and m.device.type == "cpu":
-                packed.append(m.contiguous())
-                types.append(-1)
-            else:
-                break
-            outs.append(m.shape[0])
-        else:
+        held, runner = [one_call_matrix(m, self.dtype) for m in mats], None
+        if None not in held:
+            packed, types, outs = (list(part) for part in zip(*held, strict=True))
             c = self.cfg
             runner = kernels.draft_level(norms, packed, types, outs, c.rms_norm_eps,
                                          c.num_attention_heads, c.num_key_value_heads,
@@ -636,8 +626,7 @@ class Eagle3Head:
         _, e_normed = kernels.add_rms_norm(e, w["midlayer.input_layernorm.weight"], eps)
         _, h_normed = kernels.add_rms_norm(h, w["midlayer.hidden_norm.weight"], eps)
         qkv = linear(torch.cat((e_normed, h_normed), -1), w_qkv)  # [B, n, (Hq + 2 Hkv) D]
-        freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, n, D/2]
-        cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
+        cos, sin = _rope_tables(positions, inv_freq, h.dtype)  # [B, n, D/2]
         q, k = kernels.rope_qk(qkv, cos, sin, Hq, Hkv)  # [B, n, Hq, D], [B, n, Hkv, D]
         return q, k, qkv[..., (Hq + Hkv) * D :].view(B, n, Hkv, D)
 
@@ -649,6 +638,14 @@ class Eagle3Head:
         h1, y = kernels.add_rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps, o)
         mlp = kernels.silu_mul(linear(y, w_gate_up))  # [B, n, intermediate]
         return h1 + linear(mlp, w["midlayer.mlp.down_proj.weight"])
+
+
+def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """cos, sin [B, n, D/2] at ``positions`` [B, n] as kernels.rope_qk takes them (HF's tables:
+    float32 angles, cast to ``dtype``)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def _stacked(parts: list) -> torch.Tensor | QuantWeight:

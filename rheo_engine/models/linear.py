@@ -71,3 +71,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     return kernels.skinny_linear(x, w)
+
+
+def one_call_matrix(w, dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
+    """W as kernels.decoder_layers / draft_level take it: (packed blocks, its QUANT_TYPES
+    value, rows) for a QuantWeight, (the matrix, -1, rows) for a dense CPU one of ``dtype``
+    (what the skinny kernel runs); None for anything else (the Python operators run then)."""
+    if isinstance(w, QuantWeight):
+        return w.packed, kernels.QUANT_TYPES[w.qtype], w.shape[0]
+    if w.dim() == 2 and w.dtype == dtype and w.device.type == "cpu":
+        return w.contiguous(), -1, w.shape[0]
+    return None

@@ -21,7 +21,7 @@ from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
 from rheo_engine.io.weights import load_safetensors, open_safetensors, read_parts, tensor_part
 from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import forced as linear_forced
-from rheo_engine.models.linear import linear
+from rheo_engine.models.linear import linear, one_call_matrix
 from rheo_engine.models.quant import QUANTIZE_CHOICES, QuantWeight, embedding, quantize_q8_0
 from rheo_engine.parallel import TPGroup
 from rheo_engine.spec import kernels
@@ -588,20 +588,14 @@ class LlamaModel:
         return built or None
 
     def _build_one_call(self):
-        norms, weights, types, outs = [], [], [], []
+        norms, mats = [], []
         for layer in self.layers:
             norms += [layer.attn_norm, layer.mlp_norm]
-            for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
-                if isinstance(w, QuantWeight):
-                    weights.append(w.packed)
-                    types.append(kernels.QUANT_TYPES[w.qtype])
-                    outs.append(w.shape[0])
-                elif w.dim() == 2 and w.dtype == self.dtype and w.device.type == "cpu":
-                    weights.append(w.contiguous())
-                    types.append(-1)
-                    outs.append(w.shape[0])
-                else:
-                    return None
+            mats += [one_call_matrix(w, self.dtype)
+                     for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]  # fmt: skip
+        if None in mats:
+            return None
+        weights, types, outs = (list(part) for part in zip(*mats, strict=True))
         return kernels.decoder_layers(norms, weights, types, outs, self.norm,
                                       self.cfg.rms_norm_eps, self.heads, self.kv_heads,
                                       self.cfg.head_dim)  # fmt: skip
