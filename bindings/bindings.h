@@ -60,11 +60,13 @@ class DraftLevel {
   // h, e [1, n, hidden]: the parents' states and the nodes' embeddings; cos, sin [1, n, D/2];
   // k_pool, v_pool [1, slots, rows, Hkv, D]: the n nodes' K/V go to rows row0.. of ``slot``,
   // which they attend after its first ``prefix`` rows as tree_mask [1, n, T] allows. Returns
-  // {h2 [1, n, hidden], logits [1, n, Vd] float32}.
+  // {h2 [1, n, hidden], logits [1, r, Vd] float32} of the last r = logit_rows rows (-1: all n;
+  // a prefill of the head's waiting pairs needs only its last row's).
   std::vector<at::Tensor> run(const at::Tensor& h, const at::Tensor& e, const at::Tensor& cos,
                               const at::Tensor& sin, const at::Tensor& k_pool,
                               const at::Tensor& v_pool, int64_t slot, int64_t row0,
-                              int64_t prefix, const at::Tensor& tree_mask) const;
+                              int64_t prefix, const at::Tensor& tree_mask,
+                              int64_t logit_rows) const;
 
  private:
   std::vector<at::Tensor> norms_, weights_;

@@ -182,10 +182,13 @@ std::vector<at::Tensor> DraftLevel::run(const at::Tensor& h, const at::Tensor& e
                                         const at::Tensor& cos, const at::Tensor& sin,
                                         const at::Tensor& k_pool, const at::Tensor& v_pool,
                                         int64_t slot, int64_t row0, int64_t prefix,
-                                        const at::Tensor& tree_mask) const {
+                                        const at::Tensor& tree_mask, int64_t logit_rows) const {
   const int64_t H = H_, Hkv = Hkv_, D = D_;
   check_shape(h, "h", {1, -1, -1}, "[1, n, hidden] (one sequence)");
   const int64_t n = h.size(1);
+  if (logit_rows == -1) logit_rows = n;
+  RHEO_CHECK(1 <= logit_rows && logit_rows <= n, "logit_rows=", logit_rows, " must be in [1, ",
+             n, "] (the level's rows), or -1 for all of them");
   check_shape(e, "e", {1, n, h.size(2)}, "[1, n, hidden] (h's shape)");
   const Slot cache(k_pool, v_pool, slot, 1, Hkv, D, h);
   check_buffer(tree_mask, "tree_mask", at::kByte, {1, n, tree_mask.size(2)}, "[1, n, T]");
@@ -211,8 +214,10 @@ std::vector<at::Tensor> DraftLevel::run(const at::Tensor& h, const at::Tensor& e
   at::Tensor act = at::empty({1, n, gate_up.size(2) / 2}, h.options());
   silu_mul(gate_up, act);
   const at::Tensor h2 = h1 + matmul(act, weights_[3], types_[3], outs_[3]);  // a torch add
-  at::Tensor normed = at::empty_like(h2);
-  add_rms_norm(h2, std::nullopt, norms_[3], eps_, std::nullopt, normed);
+  // the logits of the last logit_rows rows only (a row's bits do not depend on its neighbours)
+  const at::Tensor last = h2.narrow(1, n - logit_rows, logit_rows);
+  at::Tensor normed = at::empty_like(last);
+  add_rms_norm(last, std::nullopt, norms_[3], eps_, std::nullopt, normed);
   return {h2, matmul(normed, weights_[4], types_[4], outs_[4]).to(at::kFloat)};
 }
 

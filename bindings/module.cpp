@@ -87,7 +87,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                   "An EAGLE-3 head's draft level on the CPU in one call.")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                           std::vector<int64_t>, double, int64_t, int64_t, int64_t>())
-      .def("run", &b::DraftLevel::run, "One sequence's level: h2 and the draft logits.");
+      .def("run", &b::DraftLevel::run, "One sequence's level: h2 and the draft logits.",
+           pybind11::arg("h"), pybind11::arg("e"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("slot"),
+           pybind11::arg("row0"), pybind11::arg("prefix"), pybind11::arg("tree_mask"),
+           pybind11::arg("logit_rows") = -1);
   // logit controls
   m.def("logit_controls", &b::logit_controls, "Penalties and bans of each node's row, in place.");
   // pool sampler

@@ -98,14 +98,23 @@ def levels(head, one_call: bool):
         next_tokens = torch.randint(0, c.vocab_size, (1, 60), generator=g)
         drafter.prefill(features.to(head.dtype), next_tokens)
         tokens = torch.randint(0, c.vocab_size, (1, 4), generator=g)
+        # the one call's flush gives root_logits its logits (only the last pair's lm_head row):
+        # head.logits then never runs
+        calls = []
+        head.logits = lambda h2: calls.append(1) or Eagle3Head.logits(head, h2)
         with torch.no_grad():
             out = [drafter.root_logits()]
             out.append(drafter.expand(1, torch.zeros(1, 4, dtype=torch.long), tokens))
             out.append(drafter.expand(2, torch.tensor([[3, 0, 2, 1]]), tokens + 1))
+            # three more pairs, as a step's commit queues them, then the next root
+            drafter.prefill(features[:, :3], next_tokens[:, :3] + 1)
+            out.append(drafter.root_logits())
         assert drafter._in_pool, "the levels ran on the gathered path: a weak test"
+        assert (len(calls) == 0) == one_call, f"head.logits ran {len(calls)} times"
         return out + [drafter._frontier_h.clone(), drafter.pool.k.clone(), drafter.pool.v.clone()]
     finally:
         Eagle3Head.one_call = before
+        head.__dict__.pop("logits", None)
 
 
 @pytest.mark.parametrize("q8", [True, False])
@@ -122,3 +131,22 @@ def test_level_one_call_equals_the_python_level_bit_for_bit(q8):
     assert head.__dict__.get("_level", (None, None))[1] is not None, "the one call never ran"
     for a, b in zip(python, fast, strict=True):
         assert torch.equal(a, b)
+
+
+def test_level_logit_rows_out_of_range_fails_in_one_line():
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.models.eagle3_drafter import Eagle3Drafter
+    from rheo_engine.runtime.engine import DEFAULT_PAIR as PAIR
+
+    target = LlamaModel.from_pretrained(PAIR / "target")
+    head = Eagle3Head.from_pretrained(PAIR / "draft", target)
+    drafter = Eagle3Drafter(head, max_len=16)
+    h = torch.zeros(1, 2, head.cfg.hidden_size, dtype=head.dtype)
+    tokens, positions = torch.zeros(1, 2, dtype=torch.long), torch.arange(2).view(1, 2)
+    mask = torch.ones(1, 2, 2, dtype=torch.uint8).tril()
+    with torch.no_grad():
+        for bad in (0, 3, -2):
+            with pytest.raises((ValueError, RuntimeError), match=f"logit_rows={bad} must be in"):
+                head.level_one_call(h, tokens, positions, drafter.pool, 0, 0, 0, mask, bad)
+        h2, logits = head.level_one_call(h, tokens, positions, drafter.pool, 0, 0, 0, mask, 1)
+    assert h2.shape[1] == 2 and logits.shape[:2] == (1, 1)

@@ -567,15 +567,16 @@ class Eagle3Head:
 
     def level_one_call(
         self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, pool: SlotPool,
-        slot: int, row0: int, prefix: int, tree_mask: torch.Tensor,
+        slot: int, row0: int, prefix: int, tree_mask: torch.Tensor, logit_rows: int = -1,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """layer_in_pool then logits for one sequence, in one C++ call (kernels.draft_level: the
         same kernels in the same order, the same bits): the n pairs' K/V into rows row0.. of
         ``slot`` of ``pool``, attending its first ``prefix`` rows and the rows tree_mask
-        [1, n, T] uint8 allows. Returns (h2 [1, n, H], logits [1, n, Vd] float32), or None where
-        it does not apply (a batch, autograd, CUDA, RHEO_LINEAR=torch, a matrix the skinny
-        kernel does not run): then the caller runs the two. A level in Python paid ~50
-        operators' dispatch, about half of it at one node (BENCHMARKS.md)."""
+        [1, n, T] uint8 allows. Returns (h2 [1, n, H], logits [1, r, Vd] float32 of the last
+        r = ``logit_rows`` rows, -1: all n), or None where it does not apply (a batch, autograd,
+        CUDA, RHEO_LINEAR=torch, a matrix the skinny kernel does not run): then the caller runs
+        the two. A level in Python paid ~50 operators' dispatch, about half of it at one node
+        (BENCHMARKS.md)."""
         if not self.one_call or h.shape[0] != 1 or not self._fused_ok(h):
             return None
         if torch.is_grad_enabled() or h.dtype != self.dtype or linear_forced() == "torch":
@@ -586,7 +587,7 @@ class Eagle3Head:
             return None
         cos, sin = _rope_tables(positions, weights[2], h.dtype)
         h2, logits = runner.run(h, self.embed(tokens), cos, sin, pool.k, pool.v, slot, row0,
-                                prefix, tree_mask)  # fmt: skip
+                                prefix, tree_mask, logit_rows)  # fmt: skip
         return h2, logits
 
     def _level_runner(self, weights: tuple):

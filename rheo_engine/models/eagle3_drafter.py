@@ -53,6 +53,9 @@ class Eagle3Drafter:
         self._last_h = torch.zeros(slots, c.hidden_size, dtype=head.dtype, device=head.device)
         self._pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
         self._pending_rows = [0] * slots
+        # slot -> (its m, the draft logits [1, Vd] of its last pair): the one-call flush of a
+        # sequence's waiting pairs (_append_one) computes them with its layer, for root_logits
+        self._root: dict[int, tuple[int, torch.Tensor]] = {}
         self.slots: list[int] = list(range(slots))  # the batch of the current step
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
         self._in_pool = False  # this tree's levels in the slots (root_logits decides)
@@ -103,6 +106,7 @@ class Eagle3Drafter:
         (the slots are the target pool's: the decoder hands them out)."""
         self._pending[slot], self._pending_rows[slot] = [], 0
         self.pool.lengths[slot] = 0
+        self._root.pop(slot, None)
 
     def begin(self, slots: list[int]) -> None:
         """The sequences of the next step, in batch order."""
@@ -138,6 +142,8 @@ class Eagle3Drafter:
         if len(waiting) == 1:  # one sequence: slices of its slot, no padding (as one cache)
             self._append_one(waiting[0], feats[0], toks[0])
             return
+        for s in waiting:
+            self._root.pop(s, None)
         n = max(counts)
         features = torch.stack([F.pad(f, (0, 0, 0, n - f.shape[0])) for f in feats])
         tokens = torch.stack([F.pad(t, (0, n - t.shape[0])) for t in toks])
@@ -187,6 +193,7 @@ class Eagle3Drafter:
         max_len. The caller adds the counts to pool.lengths."""
         B, n = tokens.shape
         head, L = self.head, self.max_len
+        self._root.clear()
         j = rows[:, :n]
         positions = m.view(B, 1) + j
         seen = (rows.view(1, 1, L) < m.view(B, 1, 1)).expand(B, n, L)
@@ -207,10 +214,17 @@ class Eagle3Drafter:
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         k_slot, v_slot = self.pool.k[0, slot : slot + 1], self.pool.v[0, slot : slot + 1]
         h = head.fuse(features.to(dev).unsqueeze(0))
+        self._root.pop(slot, None)
         if head.attends_in_pool():  # rows m..m+n-1, attended in place (m + n <= max_len)
-            h2 = head.layer_in_pool(h, tokens.to(dev).view(1, n), positions, k_slot, v_slot,
-                                    (slice(None), slice(m, m + n)),
-                                    causal.to(torch.uint8).view(1, n, n), m)  # fmt: skip
+            mask, tokens = causal.to(torch.uint8).view(1, n, n), tokens.to(dev).view(1, n)
+            # in one call with the last pair's logits (the next root's), where it applies
+            one = head.level_one_call(h, tokens, positions, self.pool, slot, m, m, mask, 1)
+            if one is not None:
+                h2 = one[0]
+                self._root[slot] = (m + n, one[1][:, 0])
+            else:
+                h2 = head.layer_in_pool(h, tokens, positions, k_slot, v_slot,
+                                        (slice(None), slice(m, m + n)), mask, m)  # fmt: skip
         else:
             mask = torch.cat((torch.ones(n, m, dtype=torch.bool, device=dev), causal), 1)
             h2, k, v = head.layer(h, tokens.to(dev).view(1, n), positions, k_slot[:, :m],
@@ -241,6 +255,9 @@ class Eagle3Drafter:
                 s = self.slots[0]
                 self._m, self._pool_args = m_max, None
                 self._frontier_h = self._last_h[s : s + 1].unsqueeze(1)  # [1, 1, H]
+                kept = self._root.pop(s, None)  # once: a caller may write into it
+                if kept is not None and kept[0] == m_max:  # the flush's (the same bits)
+                    return kept[1]
             else:
                 self._m = torch.tensor(m, **i64).view(B, 1)
                 slots_i32 = torch.tensor(self.slots, dtype=torch.int32, device=dev)
