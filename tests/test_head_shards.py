@@ -161,3 +161,46 @@ def test_each_checkpoint_keeps_the_training_time_so_far(tmp_path: Path, monkeypa
     assert len(saved) >= 3  # after steps 1 and 2 (and 3), then the end
     assert 0 < saved[0] < saved[1] <= saved[-1]
     assert json.loads((work / "ckpt.json").read_text())["train_seconds"] == saved[-1]
+
+
+def test_device_flag_names_what_it_needs(tmp_path: Path) -> None:
+    """--device: a bad name, or CUDA where this torch has none, stops in one line."""
+    import pytest
+
+    base = ["--data", str(tmp_path), "--target", str(TARGET), "--features-only"]
+    with pytest.raises(SystemExit, match="is not a device: use cpu, cuda or cuda:N"):
+        main([*base, "--device", "gpu0"])
+    with pytest.raises(SystemExit, match="head training runs on cpu or cuda"):
+        main([*base, "--device", "meta"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA device.*use --device cpu, or install a CUDA"):
+            main([*base, "--device", "cuda"])
+
+
+def test_gpu_run_matches_the_cpu_run(tmp_path: Path) -> None:
+    """The GPU recipe (--device cuda) on the same shards as a CPU run: features within bf16
+    rounding of the CPU's, a few steps that train, an export the engine reads. On a machine
+    with CUDA only."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the GPU recipe is checked where one is (docs/training.md)")
+    data = tmp_path / "data"
+    write_shards(data, 3, LlamaModel.from_pretrained(TARGET).cfg.vocab_size)
+    common = ["--data", str(data), "--target", str(TARGET), "--feature-layers", "1,2,3",
+              "--unroll", "2", "--draft-vocab", "300", "--positions", "128", "--val-quick", "4",
+              "--warmup", "1", "--max-steps", "3"]  # fmt: skip
+    runs = {}
+    for device in ("cpu", "cuda"):
+        work = tmp_path / device
+        main([*common, "--work", str(work), "--device", device, "--out", str(work / "head")])
+        runs[device] = load_safetensors(work / "features" / "shard_00002.safetensors")
+        assert json.loads((work / "head" / "train_log.json").read_text())["device"] == str(
+            torch.device(device))
+    for k in ("features", "hidden"):
+        a, b = runs["cpu"][k].float(), runs["cuda"][k].float()
+        assert (a - b).abs().max() <= 0.05 * a.abs().max(), k
+    assert torch.equal(runs["cpu"]["tokens"], runs["cuda"]["tokens"])
+    from rheo_engine.models.eagle3 import Eagle3Head
+
+    Eagle3Head.from_pretrained(tmp_path / "cuda" / "head", LlamaModel.from_pretrained(TARGET))

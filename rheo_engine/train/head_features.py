@@ -61,19 +61,21 @@ class Packed:
                       torch.cat([p.hidden for p in parts]), torch.cat([p.argmax for p in parts]),
                       offsets)  # fmt: skip
 
-    def batch(self, windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def batch(self, windows: torch.Tensor,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
         """(tokens [B, T], features [B, T, F] fp32, hidden [B, T, H], lengths [B], argmax [B, T])
-        of the given windows, zero-padded to the longest of them."""
+        of the given windows, zero-padded to the longest of them, on ``device``."""
         lengths = self.lengths[windows]
         B, T = len(windows), int(lengths.max())
         pos = self.offsets[windows].unsqueeze(1) + torch.arange(T)  # [B, T]
         valid = torch.arange(T) < lengths.unsqueeze(1)
         pos = torch.where(valid, pos, 0)
         mask = valid.unsqueeze(-1)
-        return (torch.where(valid, self.tokens[pos], 0),
-                torch.where(mask, self.features[pos].float(), 0.0),
-                torch.where(mask, self.hidden[pos], 0), lengths,
-                torch.where(valid, self.argmax[pos], 0))  # fmt: skip
+        out = (torch.where(valid, self.tokens[pos], 0),
+               torch.where(mask, self.features[pos].float(), 0.0),
+               torch.where(mask, self.hidden[pos], 0), lengths,
+               torch.where(valid, self.argmax[pos], 0))  # fmt: skip
+        return tuple(t.to(device) for t in out)
 
 
 class LengthBatches:

@@ -206,11 +206,11 @@ class Trainer:
         return w
 
     def save(self, work: Path) -> None:
-        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        tensors = {f"model.{k}": v.cpu() for k, v in self.model.state_dict().items()}
         params = list(self.model.parameters())
         for i, p in enumerate(params):
             for key, value in self.opt.state.get(p, {}).items():
-                tensors[f"opt.{i}.{key}"] = value.reshape(-1) if key == "step" else value
+                tensors[f"opt.{i}.{key}"] = (value.reshape(-1) if key == "step" else value).cpu()
         tensors["rng"] = self.gen.get_state()
         tensors["used"] = self.used.cpu()  # the vocabulary the lm_head rows stand for
         meta = {"config": jsonable(self.cfg), **self.progress}

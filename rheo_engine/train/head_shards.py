@@ -96,6 +96,23 @@ def load_target(path: Path, device: str, dtype: torch.dtype) -> LlamaModel:
     return LlamaModel.from_pretrained(path, device=device, dtype=dtype)
 
 
+def check_device(name: str) -> str:
+    """``--device`` as torch names it, or a one-line error naming the value and the fix."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name!r}: head training runs on cpu or cuda")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise SystemExit(f"--device {name!r}: this torch sees {count} CUDA device(s) "
+                             f"(torch {torch.__version__}); use --device cpu, or install a CUDA "
+                             "torch")  # fmt: skip
+    return str(device)
+
+
 def quick_eval(trainer: Trainer, val: Packed, n: int | None, positions: int) -> dict:
     """Held-out loss and top-1 per unroll step on the first n windows (all with None), in runs
     of similar length."""
@@ -107,7 +124,7 @@ def quick_eval(trainer: Trainer, val: Packed, n: int | None, positions: int) -> 
         i = 0
         while i < k:
             B = max(1, positions // int(val.lengths[order[min(k - 1, i + 1)]]))
-            window.add(trainer.losses(val.batch(order[i : i + B]))[1])
+            window.add(trainer.losses(val.batch(order[i : i + B], trainer.device))[1])
             i += B
     trainer.model.train()
     return window.summary()
@@ -125,11 +142,14 @@ def gemm_seconds(dtype: torch.dtype, rows: int = 1024, repeats: int = 3) -> floa
     return best
 
 
-def pick_autocast(choice: str) -> torch.dtype | None:
+def pick_autocast(choice: str, device: str = "cpu") -> torch.dtype | None:
     """bf16 autocast where this CPU runs bf16 GEMMs >= 1.3x faster than fp32 (AVX-512-BF16,
-    AMX), else fp32; ``choice`` bfloat16 / off forces one."""
+    AMX), else fp32; always on a GPU (its bf16 tensor cores); ``choice`` bfloat16 / off forces
+    one."""
     if choice != "auto":
         return torch.bfloat16 if choice == "bfloat16" else None
+    if device != "cpu":
+        return torch.bfloat16
     f32, b16 = gemm_seconds(torch.float32), gemm_seconds(torch.bfloat16)
     print(f"GEMM [1024x576]x[576x8192]: fp32 {f32 * 1e3:.1f} ms, bf16 {b16 * 1e3:.1f} ms -> "
           f"{'bf16 autocast' if f32 >= 1.3 * b16 else 'fp32'}", flush=True)  # fmt: skip
@@ -205,7 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the head's matmuls in bf16: auto = where this CPU runs them faster")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="where the target computes the features and the head trains: cpu, "
+                        "cuda, cuda:N (docs/training.md: the GPU recipe)")  # fmt: skip
     a = p.parse_args(argv)
+    a.device = check_device(a.device)
     torch.set_num_threads(a.threads)
     budget = Budget(time.perf_counter(), a.minutes * 60)
     if a.target is None:
@@ -213,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         a.target = smollm2_gguf()
     dtype = getattr(torch, a.dtype)
-    target = load_target(a.target, "cpu", dtype)
+    target = load_target(a.target, a.device, dtype)
     t = target.cfg
     init = None if a.init_from is None else read_head(a.init_from, t)
     if a.evaluate is not None:
@@ -237,8 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
         layers, used, weights = init
         cfg = replace(cfg, draft_vocab=len(used))
     hcfg = head_config(t, cfg)
-    trainer = Trainer(cfg, hcfg, target, used, empty_data(), empty_data(), "cpu")
-    trainer.autocast = pick_autocast(a.autocast)
+    trainer = Trainer(cfg, hcfg, target, used, empty_data(), empty_data(), a.device)
+    trainer.autocast = pick_autocast(a.autocast, a.device)
     if init is not None and not a.resume:
         trainer.model.load_state_dict(init[2])
     if a.resume:
@@ -259,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
         counted = now
 
     while trainer.progress["step"] < cfg.max_steps and budget.left() > 60:
-        batch = train.batch(batches.draw(trainer.gen))
+        batch = train.batch(batches.draw(trainer.gen), trainer.device)
         window.add(trainer.train_step(batch))
         done += int(batch[3].sum())
         now = time.perf_counter()
@@ -284,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out is not None:
         log = {"data": str(a.data), "target": str(a.target), "train_shards": train_ids,
                "train_windows": len(train), "positions_train": positions,
-               "positions_per_batch": a.positions,
+               "positions_per_batch": a.positions, "device": a.device,
                "autocast": str(trainer.autocast).split(".")[-1] if trainer.autocast else "off",
                "hyper_parameters": {**asdict(cfg), "feature_layers": list(cfg.feature_layers)},
                **trainer.progress, "val": result}  # fmt: skip
@@ -316,8 +340,8 @@ def evaluate_head(a: argparse.Namespace, target: LlamaModel, val: Packed, init,
     cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=len(used), unroll=a.unroll,
                           batch=a.positions, chat=True)  # fmt: skip
     trainer = Trainer(cfg, head_config(target.cfg, cfg), target, used, empty_data(),
-                      empty_data(), "cpu")  # fmt: skip
-    trainer.autocast = pick_autocast(a.autocast)
+                      empty_data(), a.device)  # fmt: skip
+    trainer.autocast = pick_autocast(a.autocast, a.device)
     trainer.model.load_state_dict(weights)
     result = quick_eval(trainer, val, None, a.positions)
     print(f"{a.evaluate}: held-out ({len(val)} windows, shards {VAL_SHARDS}) acc per step "
