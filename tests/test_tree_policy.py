@@ -324,7 +324,8 @@ def test_probes_cost_a_bounded_share_of_the_time():
         if cfg.method != "ar":
             drafted.append(step)
             lost += policy.predicted_s - policy.plain_s  # it accepts nothing
-        policy.observe(cfg, None if cfg.method == "ar" else outcome([]), 1.0)
+        # each step takes what it was predicted to take
+        policy.observe(cfg, None if cfg.method == "ar" else outcome([]), policy.predicted_s)
     assert drafted[0] == AutoTree.PROBE_FIRST - 1 and len(drafted) >= 8
     gaps = np.diff(drafted)
     # the gap after the (i + 1)-th losing probe: PROBE_GAP doubled i + 1 times, at most the cap
@@ -336,6 +337,28 @@ def test_probes_cost_a_bounded_share_of_the_time():
     assert lost == pytest.approx(policy.probe_loss_s)
     one_probe = (AutoTree.PROBE_COST - 1) * policy.plain_s
     assert policy.probe_loss_s <= AutoTree.PROBE_SHARE * policy.total_s + one_probe
+
+
+def test_probes_are_charged_what_they_really_took():
+    """A probe that runs over its price (in real decoding its first steps ran ~30% over: the
+    head's pass over the waiting pairs, cold weights) is charged its measured time, so what
+    probes lose stays within the budget in seconds really spent; one that runs under its price
+    is charged less."""
+    prof = profile({1: 1.0, 2: 1.6, 16: 4.0}, level_s=0.1)
+    for over in (1.5, 0.8):
+        policy = AutoTree(BOUND, prof)
+        lost, spent = 0.0, 0.0
+        for _ in range(3000):
+            cfg = policy.choose(100, 100)
+            seconds = policy.predicted_s * (over if cfg.method != "ar" else 1.0)
+            if cfg.method != "ar":
+                lost += seconds - policy.plain_s  # it accepts nothing
+            spent += seconds
+            policy.observe(cfg, None if cfg.method == "ar" else outcome([]), seconds)
+        assert policy.probes >= 3
+        assert lost == pytest.approx(policy.probe_loss_s)
+        one_probe = (AutoTree.PROBE_COST - 1) * policy.plain_s * over
+        assert lost <= AutoTree.PROBE_SHARE * spent + one_probe
 
 
 def test_a_probe_that_pays_brings_the_next_one_sooner():
@@ -350,7 +373,8 @@ def test_a_probe_that_pays_brings_the_next_one_sooner():
             continue
         probes.append(step)
         # the first two accept nothing, the third everything it drafted
-        policy.observe(cfg, outcome([1, 5, 9, 13] if len(probes) == 3 else []), 1.0)
+        policy.observe(cfg, outcome([1, 5, 9, 13] if len(probes) == 3 else []),
+                       policy.predicted_s)  # fmt: skip
         if len(probes) == 3:
             break
     assert policy.probe_gap == 4 * AutoTree.PROBE_GAP  # before the third settles

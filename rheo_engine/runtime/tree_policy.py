@@ -733,9 +733,10 @@ class AutoTree:
     drafts the best tree under an optimistic prior instead: the first at step PROBE_FIRST, then
     at most every ``probe_gap`` steps (PROBE_GAP, doubled after each probe that did not pay for
     itself, up to PROBE_GAP_MAX, back to PROBE_GAP after one that did), and only while what
-    probes lost against plain steps (predicted: a probe's cost, the head's pass over the pairs
-    waiting for it included, less a plain step per token it emitted) stays within PROBE_SHARE
-    of all predicted time, plus one probe's worth (docs/tree_policy.md §6).
+    probes lost against plain steps (a probe's measured time, the head's pass over the pairs
+    waiting for it included, less a plain step per token it emitted; its predicted cost until
+    it is observed) stays within PROBE_SHARE of all predicted time, plus one probe's worth
+    (docs/tree_policy.md §6).
 
     ``check=True`` (a profile kept by an earlier process): the first real steps' measured
     seconds are compared with the predictions; when their median ratio is off by more than
@@ -932,6 +933,13 @@ class AutoTree:
         path = np.array(outcome.accept_path[0][1:n], dtype=np.int64)  # nodes past the root
         accepted[path - 1] = 1.0
         if self.probe_step == self.steps:  # each token the probe emitted saves a plain step
+            if not self.probe_tokens:  # its batch's first sequence: the step's measured time
+                # replaces its price (probes' first steps ran ~30% over it: the head's pass
+                # over the waiting pairs, a level's cold weights), so the budget holds what
+                # probes really lost
+                risk = max(0.0, self.probe_risk + seconds - self.probe_cost)
+                self.probe_loss_s += risk - self.probe_risk
+                self.probe_risk, self.probe_cost = risk, seconds
             self.probe_tokens.append(n)
             refund = min(self.probe_risk, (n - 1) * self.plain_s / self.batch)
             self.probe_risk -= refund
