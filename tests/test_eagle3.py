@@ -435,5 +435,5 @@ def test_drafter_refuses_bad_calls(head: Eagle3Head):
         drafter.expand(2, one, one)
     # A rank past the nodes expanded is not looked at on the host (no device read per level):
     # the gather fails.
-    with pytest.raises(RuntimeError, match="index 1 is out of bounds"):
+    with pytest.raises(RuntimeError, match="out of (DATA )?bounds"):  # gather / index_select
         drafter.expand(1, one + 1, one)

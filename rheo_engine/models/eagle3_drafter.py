@@ -59,6 +59,7 @@ class Eagle3Drafter:
         self.slots: list[int] = list(range(slots))  # the batch of the current step
         self._level = -1  # last level expanded; 0 right after root_logits, -1 before
         self._in_pool = False  # this tree's levels in the slots (root_logits decides)
+        self._eye: dict[int, torch.Tensor] = {}  # k -> eye(k) bool: a level's own nodes
 
     def waiting(self, slot: int = 0) -> int:
         """Pairs of a slot queued since the head last ran: its next draft runs them first."""
@@ -336,6 +337,10 @@ class Eagle3Drafter:
         self._check_expand(level, parent_rank, tokens)
         B, k = tokens.shape
         H, dev = self.head.cfg.hidden_size, self.head.device
+        if B == 1 and self._in_pool and isinstance(self._m, int):
+            logits = self._expand_one(level, parent_rank, tokens)
+            if logits is not None:
+                return logits
         rank = parent_rank.to(dev).long()
         h = self._frontier_h.gather(1, rank.unsqueeze(2).expand(B, k, H))
         S = self._tree_mask.shape[2]
@@ -363,6 +368,29 @@ class Eagle3Drafter:
         self._tree_v = torch.cat((self._tree_v, v_new), 1)
         self._tree_mask, self._frontier_h, self._level = tree_mask, h2, level
         return self.head.logits(h2)
+
+    def _expand_one(self, level: int, parent_rank: torch.Tensor,
+                    tokens: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """expand for one sequence in its slot, in one C++ call (Eagle3Head.level_one_call),
+        with a third of the general path's operators (a level at one node spent ~40% of its
+        time in them); None where that call does not apply (then the general path runs)."""
+        k, dev = tokens.shape[1], self.head.device
+        S, m, s = self._tree_mask.shape[2], self._m, self.slots[0]
+        if m + S + k > self.pool.k.shape[2]:
+            return None
+        rank = parent_rank[0].to(dev).long()  # [k]
+        own = self._eye.get(k)
+        if own is None:
+            own = self._eye[k] = torch.eye(k, dtype=torch.bool, device=dev)
+        tree_mask = torch.cat((self._tree_mask[0].index_select(0, rank), own), 1).unsqueeze(0)
+        positions = torch.full((1, k), m + level - 1, dtype=torch.long, device=dev)
+        h = self._frontier_h[0].index_select(0, rank).unsqueeze(0)  # [1, k, H]
+        one = self.head.level_one_call(h, tokens.to(dev).long(), positions, self.pool, s, m + S,
+                                       m, tree_mask.to(torch.uint8))  # fmt: skip
+        if one is None:
+            return None
+        self._tree_mask, self._frontier_h, self._level = tree_mask, one[0], level
+        return one[1]
 
     def _expand_in_pool(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                         tree_mask: torch.Tensor, S: int):  # fmt: skip
@@ -406,8 +434,9 @@ class Eagle3Drafter:
             )
         # parent_rank's values are not checked here: that would read the device at every level.
         # draft_tree's come from select_expand (in range even for NaN scores); a rank outside
-        # the nodes expanded at level - 1 fails the gather in expand ("index ... is out of
-        # bounds" on the CPU, a device-side assert on a GPU).
+        # the nodes expanded at level - 1 fails the gather or index_select in expand ("index
+        # ... is out of bounds" or "INDICES element is out of DATA bounds" on the CPU, a
+        # device-side assert on a GPU).
 
     @torch.no_grad()
     def commit(
