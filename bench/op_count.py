@@ -224,7 +224,9 @@ def head_q8_section(rows_list: list[int], repeats: int, seen: int = 200) -> None
     """One draft level of the smollm2 head (fused path, through Eagle3Drafter.expand as the
     engine drafts) with its matrices in Q8_0 (Eagle3Head.quantize, what the engine runs beside
     the Q4_1 target) against bf16, at each row count, beside a plain step of the Q4_1 target;
-    and how often the two argmaxes agree."""
+    and how often the two argmaxes agree. The Q8_0 level is also timed where the engine runs
+    one: right after a target step (the target's 94 MB have evicted the head's ~10 MB), and as
+    a tree's later levels run, right after another level (its weights in cache)."""
     from rheo_engine.models.eagle3 import Eagle3Head
 
     target = load("smollm2")
@@ -237,7 +239,8 @@ def head_q8_section(rows_list: list[int], repeats: int, seen: int = 200) -> None
     print(f"\n## smollm2 head: one draft level over {seen} pairs, Q8_0 against bf16 "
           f"(plain Q4_1 step {plain_ms:.2f} ms, in a KV slot as the engine runs it)")  # fmt: skip
     print("| rows | bf16 ms | Q8_0 ms | Q8_0 / bf16 (paired) | Q8_0 level / plain step | "
-          "argmax agreement |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
+          "Q8_0 after a target step | Q8_0 in a tree (after a level) | argmax agreement |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for k in rows_list:
         state = g.get_state()
         bf16 = DrafterLevel(dense, k, seen, g)
@@ -252,8 +255,18 @@ def head_q8_section(rows_list: list[int], repeats: int, seen: int = 200) -> None
         bf16_ms, q8_ms = statistics.median(times[0]), statistics.median(times[1])
         ratio = statistics.median(y / x for x, y in zip(*times, strict=True))
         agree = (bf16()[1].argmax(-1) == q8()[1].argmax(-1)).float().mean().item()
+        # Where a level runs: right after the target's step (its weights evicted by the
+        # target's), or as a tree's levels run, after the head's flush and the previous level
+        # (its weights in cache)
+        cold, warm = [], []
+        for _ in range(max(5, repeats // 2)):
+            step()
+            cold.append(q8()[0])
+            warm.append(q8()[0])
+        cold_ms, warm_ms = statistics.median(cold), statistics.median(warm)
         print(f"| {k} | {bf16_ms:.2f} | {q8_ms:.2f} | {ratio:.3f} | {100 * q8_ms / plain_ms:.0f}%"
-              f" | {agree:.2f} |")  # fmt: skip
+              f" | {cold_ms:.2f} ms ({100 * cold_ms / plain_ms:.1f}%) | {warm_ms:.2f} ms "
+              f"({100 * warm_ms / plain_ms:.1f}%) | {agree:.2f} |")  # fmt: skip
 
 
 def compile_section(rows_list: list[int], repeats: int) -> None:
