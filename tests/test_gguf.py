@@ -323,3 +323,20 @@ def test_fuzz_mutated_files_load_or_fail_in_one_line(weights, tmp_path):
     print(f"fuzz: {runs} mutants, {outcomes}, peak RSS +{grown_mb:.0f} MB")
     assert runs >= 20 and outcomes["refused"] > 0
     assert grown_mb < 1024, f"a mutant made the loader allocate {grown_mb:.0f} MB"
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q4_1"])
+def test_a_consumed_checkpoint_builds_the_same_model(files, qtype):
+    """from_gguf(consume=True), as the engine loads a file: the checkpoint's tensors are taken
+    (each freed once the model holds its own form: a layer's q/k/v and gate/up are not held
+    twice at the load's peak), the model is the same; and reading the file drops its mapped
+    pages tensor by tensor (io/gguf._drop_pages) without changing a byte."""
+    kept = LlamaModel.from_gguf(read_gguf(files[qtype]), dtype=torch.float32)
+    ckpt = read_gguf(files[qtype])
+    taken = LlamaModel.from_gguf(ckpt, dtype=torch.float32, consume=True)
+    assert ckpt.tensors == {}
+    ids = [1, 450, 338, 7, 900, 2000, 3, 4095]
+    assert torch.equal(_logits(kept, ids), _logits(taken, ids))
+    if qtype == "Q4_1":  # quantized, as written: the pages dropped were read again intact
+        raw = read_gguf(files[qtype]).tensors["model.layers.0.self_attn.o_proj.weight"]
+        assert torch.equal(raw.packed, taken.layers[0].w_o.packed)

@@ -275,3 +275,39 @@ def test_cli_quantize_and_dequantize_say_which_weights_run(capsys):
     for opt in ("--dequantize", "--no-quantized"):
         assert main(args + ["--pair", "smollm2", opt, "--no-chat"]) == 0
         assert "weights: dequantized: Q4_1 x210, F32 x61, Q8_0 x1" in capsys.readouterr().err
+
+
+def test_quantize_q8_0_by_row_chunks_gives_the_whole_matrix_bytes(monkeypatch):
+    """quantize_q8_0 runs a chunk of rows at a time (its float temporaries of a whole matrix
+    had peaked at ~8x its size): the same packed bytes as the matrix in one piece, a last
+    chunk part-filled."""
+    from rheo_engine.models import quant
+
+    w = torch.randn(600, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    chunked = quant.quantize_q8_0(w)
+    monkeypatch.setattr(quant, "_CHUNK_ROWS", 10**9)
+    assert quant._CHUNK_ROWS > 600 and torch.equal(chunked.packed, quant.quantize_q8_0(w).packed)
+
+
+def test_the_head_holds_q_k_v_and_gate_up_once():
+    """After a level stacked q/k/v and gate/up (Eagle3Head._fused_weights), each part is a view
+    of its stacked matrix, so the head does not hold them twice; a level gives the same bits."""
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.models.quant import QuantWeight
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
+
+    target = LlamaModel.from_pretrained(DEFAULT_PAIR / "target")
+    for q8 in (False, True):
+        head = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target)
+        if q8:
+            head.quantize("q8_0")
+        qkv, gate_up, _ = head._fused_weights()
+        for stacked, parts in ((qkv, ("q_proj", "k_proj", "v_proj")), (gate_up, ("gate_proj",
+                                                                                "up_proj"))):
+            base = (stacked.packed if q8 else stacked).untyped_storage().data_ptr()
+            for p in parts:
+                name = f"midlayer.{'self_attn' if p[0] in 'qkv' else 'mlp'}.{p}.weight"
+                t = head.w[name]
+                assert isinstance(t, QuantWeight) == q8
+                assert (t.packed if q8 else t).untyped_storage().data_ptr() == base, name
+        assert head._fused_weights()[0] is qkv  # kept: the views' versions are the key's

@@ -427,6 +427,12 @@ class Eagle3Head:
             w = self.w[name]
             if not isinstance(w, QuantWeight) and w.shape[-1] % 32 == 0:
                 self.w[name] = quantize_q8_0(w, self.dtype)
+        # The tensors left (norms, vocabulary maps) may be views of the weights file, mapped
+        # whole by safetensors: copies of their own let the mapping go, and with it the file's
+        # pages (SmolLM2's head: 18.8 MB resident beside its 10 MB of Q8_0 matrices)
+        for name, t in self.w.items():
+            if isinstance(t, torch.Tensor):
+                self.w[name] = t.clone()
         self._fused = None
 
     @property
@@ -503,12 +509,20 @@ class Eagle3Head:
         """(w_qkv [(Hq + 2 Hkv) D, 2H], w_gate_up [2 I, H], inv_freq [D/2]) built on first use
         and kept while the q/k/v/gate/up tensors are unchanged (their version counters): one
         matmul for q, k, v and one for gate, up, as the target's layers are held."""
-        parts = [self.w[f"midlayer.{k}.weight"] for k in _FUSED_PARTS]
+        names = [f"midlayer.{k}.weight" for k in _FUSED_PARTS]
+        parts = [self.w[n] for n in names]
         key = tuple((id(t), getattr(t, "_version", 0)) for t in parts)
         kept = getattr(self, "_fused", None)
         if kept is None or kept[0] != key:
             inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.device)
-            kept = (key, _stacked(parts[:3]), _stacked(parts[3:]), inv_freq)
+            qkv, gate_up = _stacked(parts[:3]), _stacked(parts[3:])
+            # the parts become views of the stacked matrices: held once, not twice
+            for group, stacked in ((names[:3], qkv), (names[3:], gate_up)):
+                for name, view in zip(group, _row_views(stacked, [self.w[n] for n in group]),
+                                      strict=True):  # fmt: skip
+                    self.w[name] = view
+            key = tuple((id(self.w[n]), getattr(self.w[n], "_version", 0)) for n in names)
+            kept = (key, qkv, gate_up, inv_freq)
             self._fused = kept
         return kept[1], kept[2], kept[3]
 
@@ -647,6 +661,24 @@ def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
     float32 angles, cast to ``dtype``)."""
     freqs = positions.float().unsqueeze(-1) * inv_freq
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def _row_views(stacked, parts: list) -> list:
+    """Each of ``parts`` as the rows of ``stacked`` (_stacked(parts)) it was stacked into: a
+    view, where one exists (a tensor without autograd; a QuantWeight whose parts are whole
+    16-row panels), else the part itself."""
+    out, row = [], 0
+    for p in parts:
+        rows = p.shape[0]
+        if isinstance(stacked, QuantWeight):
+            if row % 16 == 0 and rows % 16 == 0:
+                p = QuantWeight(stacked.qtype, tuple(p.shape),
+                                stacked.packed[row // 16 : (row + rows) // 16], stacked.dtype)  # fmt: skip
+        elif not stacked.requires_grad:
+            p = stacked[row : row + rows]
+        out.append(p)
+        row += rows
+    return out
 
 
 def _stacked(parts: list) -> torch.Tensor | QuantWeight:

@@ -307,7 +307,7 @@ class LlamaModel:
         (and dequantized: the ranks cut float tensors), then cut."""
         if is_gguf(path):
             ckpt = read_gguf(path, quantized=quantized and tp is None)
-            return cls.from_gguf(ckpt, device, dtype, tp, quantized, quantize)
+            return cls.from_gguf(ckpt, device, dtype, tp, quantized, quantize, consume=True)
         cfg = ModelConfig.from_hf_dir(path)
         dtype = resolve_dtype(dtype, cfg)
         weights = load_safetensors(path) if tp is None else open_safetensors(path)
@@ -324,12 +324,16 @@ class LlamaModel:
         tp: TPGroup | None = None,
         quantized: bool = True,
         quantize: str | None = None,
+        consume: bool = False,
     ) -> LlamaModel:
         """Build from a read GGUF file (its config and tensors). Its Q8_0 / Q4_0 / Q4_1 tensors
         stay quantized; ``quantized=False`` dequantizes them (head training reads the float
-        target so), as does ``tp``. ``quantize`` ("q8_0") quantizes the float matrices."""
+        target so), as does ``tp``. ``quantize`` ("q8_0") quantizes the float matrices.
+        ``consume``: the checkpoint's tensors are taken (``ckpt.tensors`` is left empty), so
+        each is freed once the model holds its own form of it (from_weights)."""
         cfg = ModelConfig.from_dict(ckpt.config, str(ckpt.path))
-        model = cls.from_weights(cfg, ckpt.tensors, device, dtype, tp, quantized, quantize)
+        model = cls.from_weights(cfg, ckpt.tensors, device, dtype, tp, quantized, quantize,
+                                 consume)  # fmt: skip
         model.source = str(ckpt.path)
         if ckpt.formats and quantize is None and tp is None:  # the file's types, and what ran
             kept, _, rest = ckpt.formats.removeprefix("kept quantized: ").rpartition(
@@ -349,12 +353,16 @@ class LlamaModel:
         tp: TPGroup | None = None,
         quantized: bool = True,
         quantize: str | None = None,
+        consume: bool = False,
     ) -> LlamaModel:
         """Build from HF-named tensors (a dict, or io.weights.open_safetensors' lazy ones):
         exactly those config.json implies (checked first); with ``tp``, this rank's parts.
         QuantWeight tensors (a GGUF file's) stay quantized unless ``quantized=False`` or ``tp``
         (the ranks cut float tensors); ``quantize="q8_0"`` turns every float matrix whose width
-        is a multiple of 32 into Q8_0 (llama.cpp's rule), the norms stay float."""
+        is a multiple of 32 into Q8_0 (llama.cpp's rule), the norms stay float. ``consume``
+        (a dict of weights): the dict is emptied and each tensor dropped once used, so a layer's
+        q/k/v (gate/up), stacked into a copy, are not held twice until the end (SmolLM2's Q4_1
+        file: ~55 MB at the load's peak)."""
         dtype = resolve_dtype(dtype, cfg)
         if quantize is not None and quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize={quantize!r} is not one of {list(QUANTIZE_CHOICES)}; "
@@ -365,6 +373,9 @@ class LlamaModel:
         keep = quantized and (tp is None or tp.size == 1)
         check_weights(cfg, weights)
         got = read_parts(weights, rank_parts(cfg, tp))
+        take = got.pop if consume else got.__getitem__
+        if consume and isinstance(weights, dict):
+            weights.clear()
         counts: dict[str, int] = {}
 
         def stored(t, matrix: bool = True):
@@ -382,10 +393,10 @@ class LlamaModel:
             return t
 
         def w(name: str) -> torch.Tensor:
-            return stored(got[name], not name.endswith("norm.weight"))
+            return stored(take(name), not name.endswith("norm.weight"))
 
         def cat(*names: str) -> torch.Tensor:
-            parts = [got[n] for n in names]
+            parts = [take(n) for n in names]
             qtypes = {p.qtype if isinstance(p, QuantWeight) else None for p in parts}
             if keep and len(qtypes) == 1 and None not in qtypes:
                 return stored(QuantWeight.cat(parts))  # q/k/v (gate/up) of one type: stacked

@@ -179,16 +179,27 @@ def quantize_q8_0(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Quant
     out, in_ = w.shape
     if in_ % _BLOCK:
         raise ValueError(f"--quantize q8_0 needs in % 32 == 0, got a weight of shape {[out, in_]}")
-    x = w.detach().to("cpu", torch.float32).reshape(out, in_ // _BLOCK, _BLOCK)
+    # Rows a chunk at a time (each row's blocks on their own, so the same bytes): the float32
+    # temporaries of a whole matrix peaked at ~8x its size (the smollm2 head's: +140 MB RSS)
+    raw = torch.cat([_q8_0_blocks(w[r : r + _CHUNK_ROWS]) for r in range(0, out, _CHUNK_ROWS)])
+    return QuantWeight("q8_0", (out, in_), _pack("q8_0", raw).to(w.device), dtype)
+
+
+_CHUNK_ROWS = 256
+
+
+def _q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
+    """Rows of W [r, in] as GGUF Q8_0 blocks [r, in / 32, 34] (fp16 d, then the 32 codes)."""
+    rows, in_ = w.shape
+    x = w.detach().to("cpu", torch.float32).reshape(rows, in_ // _BLOCK, _BLOCK)
     d = x.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     v = x * inv
     t = torch.trunc(v)
     q = t + torch.sign(v) * ((v - t).abs() >= 0.5)  # roundf: ties away from zero, exactly
     q = q.clamp(-127, 127).to(torch.int8)
-    head = d.to(torch.float16).view(torch.uint8).reshape(out, in_ // _BLOCK, 2)
-    raw = torch.cat([head, q.view(torch.uint8)], -1)
-    return QuantWeight("q8_0", (out, in_), _pack("q8_0", raw).to(w.device), dtype)
+    head = d.to(torch.float16).view(torch.uint8).reshape(rows, in_ // _BLOCK, 2)
+    return torch.cat([head, q.view(torch.uint8)], -1)
 
 
 def embedding(tokens: torch.Tensor, table) -> torch.Tensor:

@@ -422,9 +422,9 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
     whole. CPU threads: ``threads`` (None: default_threads), split over the ranks."""
     if is_gguf(target):
         ckpt = read_gguf(target, quantized=quantized and tp is None)
-        model = LlamaModel.from_gguf(ckpt, device, dtype, tp, quantized, quantize)
+        model = LlamaModel.from_gguf(ckpt, device, dtype, tp, quantized, quantize, consume=True)
         tokenizer, defaults = ckpt.load_tokenizer()
-        del ckpt  # the float32 copy of every weight
+        del ckpt
     else:
         model = LlamaModel.from_pretrained(target, device, dtype, tp, quantized, quantize)
         tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
