@@ -340,3 +340,25 @@ def test_a_consumed_checkpoint_builds_the_same_model(files, qtype):
     if qtype == "Q4_1":  # quantized, as written: the pages dropped were read again intact
         raw = read_gguf(files[qtype]).tensors["model.layers.0.self_attn.o_proj.weight"]
         assert torch.equal(raw.packed, taken.layers[0].w_o.packed)
+
+
+def test_the_lean_reader_reads_what_ggufs_reader_reads(files):
+    """io/gguf reads files through a gguf.GGUFReader whose views are plain arrays (a view per
+    vocabulary string as a memmap cost ~150 MB): every field's parts, every tensor's bytes equal
+    the library's own reader's, so a gguf release that changes its parsing fails here."""
+    import gguf
+
+    from rheo_engine.io.gguf import _reader_class
+
+    for path in files.values():
+        ours, theirs = _reader_class()(path, "r"), gguf.GGUFReader(path, "r")
+        assert list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            mine = ours.fields[name]
+            assert mine.data == field.data and mine.types == field.types, name
+            assert len(mine.parts) == len(field.parts), name
+            for a, b in zip(mine.parts, field.parts, strict=True):
+                assert type(a) is np.ndarray and a.dtype == b.dtype and np.array_equal(a, b), name
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert a.data_offset == b.data_offset and np.array_equal(a.data, b.data), a.name
