@@ -117,7 +117,7 @@ def default_threads(n_params: int) -> int:
 
 def trim_heap() -> bool:
     """Give the C heap's free pages back to the OS (glibc's malloc_trim), after a load: reading
-    a GGUF file builds ~150 MB of small parser objects (gguf.GGUFReader's fields: one array per
+    a GGUF file builds ~70 MB of small parser objects (gguf.GGUFReader's fields: one array per
     vocabulary string) that are freed once the weights are out, but that glibc keeps mapped, so
     the process would stay that much larger for its whole life. False where there is no glibc
     (musl, macOS): nothing to do there."""

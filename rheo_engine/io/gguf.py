@@ -167,7 +167,7 @@ def read_gguf(path: str | Path, quantized: bool = True) -> GGUFCheckpoint:
     unless ``quantized=False``, the rest is dequantized. Every problem is one ValueError line."""
     reader, path, tok, config = _header(path)
     # The tokenizer is built: its fields (one parser object per vocabulary string and merge,
-    # ~150 MB for a 49k vocabulary) go before the weights are read, so the load's peak holds
+    # ~70 MB for a 49k vocabulary) go before the weights are read, so the load's peak holds
     # one or the other, not both (their pages back to the OS: machine.trim_heap)
     for key in [k for k in reader.fields if k.startswith("tokenizer.")]:
         del reader.fields[key]
