@@ -657,6 +657,43 @@ def test_the_engine_measures_again_a_profile_in_doubt_or_contradicted(tiny, tmp_
     assert len(measures) == 1 and gen.measure_s > 0 and len(gen.token_ids) == 30
 
 
+def test_plain_steps_of_both_drafts_check_a_kept_profile(tiny, tmp_path, monkeypatch):
+    """drafts "both" (the default): its plain steps run through prompt lookup's plan, yet their
+    times check a kept profile (a profile measured under another load had priced every
+    plain step at 1.8x its real cost, and nothing contradicted it at T = 1)."""
+    from rheo_engine.runtime.decoder import BatchDecoder
+
+    measures = []
+    real = BatchDecoder._measure
+
+    def counted(self, seq, key, how=None):
+        measures.append(key)
+        return real(self, seq, key, how)
+
+    monkeypatch.setattr(BatchDecoder, "_measure", counted)
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RHEO_COSTS", "measure")  # measured and kept at once
+    monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
+    engine = lambda: Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)  # noqa: E731
+    small = dict(topk=4, depth=3, total_tokens=8)  # drafts "both", the default
+    engine().generate(PROMPT, 12, temperature=1.0, seed=3, **small)
+    assert list((tmp_path / "cache").glob("profiles/*.json"))
+    checked = []
+    plain = AutoTree.observe
+
+    def spy(self, cfg, outcome, seconds):
+        checked.append(cfg.method)
+        return plain(self, cfg, outcome, seconds)
+
+    monkeypatch.setattr(AutoTree, "observe", spy)
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", 1.0)  # any step contradicts it
+    measures.clear()
+    gen = engine().generate(PROMPT, 30, temperature=1.0, seed=3, ignore_eos=True, **small)
+    assert checked.count("ar") >= AutoTree.CHECK_STEPS, gen.trees.histogram()
+    assert len(measures) == 1 and gen.measure_s > 0 and len(gen.token_ids) == 30
+
+
 # --- the CPU's first profile: estimated in a few forwards, learned from the real steps -----------
 
 

@@ -458,9 +458,13 @@ class Eagle3Drafter:
         dev = features.device
         bonus = verdict.bonus_token.to(dev).long().view(B, 1)
         if N == 1:  # a plain step: each root's pair, nothing to gather (the bonus token from
-            # the device: a step uploads nothing, tests/test_host_reads.py)
+            # the device: a step uploads nothing, tests/test_host_reads.py), _queue's work inline
+            # (a step's hot path)
             for b, slot in enumerate(self.slots):
-                self._queue(slot, features[b], bonus[b])
+                if self.pool.lengths[slot] + self._pending_rows[slot] >= self.max_len:
+                    self._queue(slot, features[b], bonus[b])  # raises: the slot is full
+                self._pending[slot].append((features[b], bonus[b]))
+                self._pending_rows[slot] += 1
             return
         lens = outcome.accept_len
         if B == 1:  # one sequence: its path, no padding

@@ -117,6 +117,14 @@ class TreeGroup:
     support: int
     profile: int | None  # id() of a CostProfile the request brought, None: the engine's
 
+    def __post_init__(self) -> None:
+        # A step looks its group up ~6 times (policies, costs, learners); the generated hash
+        # over nine fields took ~2 us each time, so the hash is computed once
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
 
 @dataclass
 class SeqState:
@@ -726,6 +734,11 @@ class BatchDecoder:
                 r.accepted["head"] = r.accepted.get("head", 0) + row.accept_len[0] - 1
             if policy is not None:
                 policy.observe(cfg if s.head_cfg is None else s.head_cfg, seen, seconds)
+            elif cfg.method == "ar" and isinstance(auto := self._policies.get(s.group), AutoTree):
+                # A plain step of drafts "both" (lookup's plan runs it after the group's auto
+                # tree chose plain): its time still checks the tree's profile, which a kept
+                # profile measured under other loads would otherwise never meet at T = 1
+                auto.observe(cfg, seen, seconds)
             s.head_cfg = None
             r.trees.add(cfg, predicted, seconds)
             if extra:  # the merged tree's own size in the histogram
