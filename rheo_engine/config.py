@@ -418,3 +418,8 @@ def read_json_object(path: Path) -> dict:
             f"{path} holds {_json_kind(d)}, not a JSON object of config fields; fix it"
         )
     return d
+
+
+# A plain step's config (frozen: one shared instance; a step's planning made one a step, five
+# argument checks each)
+PLAIN = TreeConfig("ar")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rheo_engine.config import TreeConfig
+from rheo_engine.config import PLAIN, TreeConfig
 from rheo_engine.machine import trim_heap
 from rheo_engine.models.eagle3 import Eagle3Head
 from rheo_engine.models.eagle3_drafter import Eagle3Drafter
@@ -516,7 +516,7 @@ class BatchDecoder:
         if not group.drafts or any(self.drafter.length(s.slot) == 0 for s in seqs):
             # A head needs one (feature, token) pair before it can draft, so the first step of
             # a one-token prompt is a plain target step.
-            return [(seqs, TreeConfig("ar"), None)]
+            return [(seqs, PLAIN, None)]
         policy = self._policy(seqs[0])
 
         # Lossless (docs/tree_policy.md §7): the policy fixes the tree from what is known before
@@ -570,7 +570,7 @@ class BatchDecoder:
                     s.lookup_cal.pending = promised(s.cands, n, wanted(s))
                 part = ([s], dataclasses.replace(cfg, depth=depth, total_tokens=n), None, "alone", 0)
                 parts.append(part)
-        return ([(plain, TreeConfig("ar"), None, "alone", 0)] if plain else []) + parts
+        return ([(plain, PLAIN, None, "alone", 0)] if plain else []) + parts
 
     def _plan_both(self, seqs: list[SeqState], room, wanted):
         """drafts "both": the head's tree as the tree policy chooses it, plus as many lookup

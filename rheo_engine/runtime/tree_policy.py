@@ -55,7 +55,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
-from rheo_engine.config import TreeConfig
+from rheo_engine.config import PLAIN, TreeConfig
 from rheo_engine.machine import kept_file, write_kept
 from rheo_engine.spec.step import fit_tree, max_tree_size
 from rheo_engine.spec.verify import Outcome
@@ -865,7 +865,7 @@ class AutoTree:
         plain_s = self.plain_s
         self.predicted_s = plain_s
         if wanted < 2 or self.bound.method == "ar":
-            return TreeConfig("ar")
+            return PLAIN
         known = self.plain_known
         if known is not None and room <= known[0] and wanted <= known[1] and \
                 self.waiting_s >= known[2]:  # fmt: skip
@@ -888,7 +888,7 @@ class AutoTree:
                 return self._tree(i, d, j)
         if rate > self.MARGIN / plain_s:
             return self._tree(i, d, j)
-        return TreeConfig("ar")
+        return PLAIN
 
     def _probe_limit(self) -> float:
         """The most a probe may cost (its tree and the head's pass over the pairs waiting)

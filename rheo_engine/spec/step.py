@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from rheo_engine.config import SamplingConfig, TreeConfig
+from rheo_engine.config import PLAIN, SamplingConfig, TreeConfig
 from rheo_engine.spec import kernels
 from rheo_engine.spec.draft import Drafter, DraftTree, SequenceCoins, draft_tree, pool_kind
 from rheo_engine.spec.verify import History, Outcome, control_logits, read_outcome, verify_tree
@@ -97,7 +97,7 @@ def fit_tree(cfg: TreeConfig, room: int, wanted: int) -> TreeConfig:
     total = min(cfg.total_tokens, room)
     depth = min(cfg.depth, total - 1, wanted - 1)
     if depth < 1:
-        return TreeConfig("ar")
+        return PLAIN
     total = min(total, max_tree_size(cfg.topk, depth))
     if (total, depth) == (cfg.total_tokens, cfg.depth):
         return cfg
