@@ -675,7 +675,10 @@ def test_plain_steps_of_both_drafts_check_a_kept_profile(tiny, tmp_path, monkeyp
     monkeypatch.setenv("RHEO_COSTS", "measure")  # measured and kept at once
     monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
     monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
-    engine = lambda: Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)  # noqa: E731
+
+    def engine() -> Engine:
+        return Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+
     small = dict(topk=4, depth=3, total_tokens=8)  # drafts "both", the default
     engine().generate(PROMPT, 12, temperature=1.0, seed=3, **small)
     assert list((tmp_path / "cache").glob("profiles/*.json"))

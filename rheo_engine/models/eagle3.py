@@ -672,8 +672,8 @@ def _row_views(stacked, parts: list) -> list:
         rows = p.shape[0]
         if isinstance(stacked, QuantWeight):
             if row % 16 == 0 and rows % 16 == 0:
-                p = QuantWeight(stacked.qtype, tuple(p.shape),
-                                stacked.packed[row // 16 : (row + rows) // 16], stacked.dtype)  # fmt: skip
+                panels = stacked.packed[row // 16 : (row + rows) // 16]
+                p = QuantWeight(stacked.qtype, tuple(p.shape), panels, stacked.dtype)
         elif not stacked.requires_grad:
             p = stacked[row : row + rows]
         out.append(p)
