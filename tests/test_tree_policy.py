@@ -359,6 +359,20 @@ def test_probes_are_charged_what_they_really_took():
         assert lost == pytest.approx(policy.probe_loss_s)
         one_probe = (AutoTree.PROBE_COST - 1) * policy.plain_s * over
         assert lost <= AutoTree.PROBE_SHARE * spent + one_probe
+    # Under a profile the request pinned, a probe is charged its price: the trees follow from
+    # the profile alone, whatever the steps took (a seeded run reproduces)
+    runs = []
+    for over in (1.5, 0.8):
+        policy = AutoTree(BOUND, prof)
+        policy.pinned = True
+        trees = []
+        for _ in range(3000):
+            cfg = policy.choose(100, 100)
+            trees.append(cfg)
+            seconds = policy.predicted_s * (over if cfg.method != "ar" else 1.0)
+            policy.observe(cfg, None if cfg.method == "ar" else outcome([]), seconds)
+        runs.append(trees)
+    assert runs[0] == runs[1]
 
 
 def test_a_probe_that_pays_brings_the_next_one_sooner():

@@ -959,6 +959,7 @@ class BatchDecoder:
             # A kept profile is checked against the first real steps; a pinned one is not.
             policy = AutoTree(cfg, profile, check=kept)
             policy.learns = key in self.learners and profile is self.profiles.get(key)
+            policy.pinned = request.cost_profile is not None  # its trees reproduce
         self._policies[seq.group] = policy
         return policy
 

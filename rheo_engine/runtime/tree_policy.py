@@ -788,6 +788,8 @@ class AutoTree:
         self.probe_loss_s = 0.0  # predicted seconds probes lost against plain steps
         self.probe_step, self.probe_risk = -1, 0.0  # the last probe and what it may still lose
         self.probe_gap = self.PROBE_GAP  # steps from a probe to the next (doubles on a loss)
+        # a profile the request brought: probes are charged their price, not their time
+        self.pinned = False
         self.probe_cost, self.probe_tokens = 0.0, []  # the last probe's price, tokens per sequence
         self.checks: list[float] | None = [] if check else None  # measured / predicted
         self.contradicted = False
@@ -933,10 +935,11 @@ class AutoTree:
         path = np.array(outcome.accept_path[0][1:n], dtype=np.int64)  # nodes past the root
         accepted[path - 1] = 1.0
         if self.probe_step == self.steps:  # each token the probe emitted saves a plain step
-            if not self.probe_tokens:  # its batch's first sequence: the step's measured time
-                # replaces its price (probes' first steps ran ~30% over it: the head's pass
-                # over the waiting pairs, a level's cold weights), so the budget holds what
-                # probes really lost
+            if not self.probe_tokens and not self.pinned:  # its batch's first sequence: the
+                # step's measured time replaces its price (probes' first steps ran ~30% over
+                # it: the head's pass over the waiting pairs, a level's cold weights), so the
+                # budget holds what probes really lost; under a profile the request pinned the
+                # price stays, so its trees follow from the profile alone (they reproduce)
                 risk = max(0.0, self.probe_risk + seconds - self.probe_cost)
                 self.probe_loss_s += risk - self.probe_risk
                 self.probe_risk, self.probe_cost = risk, seconds
