@@ -354,9 +354,9 @@ class Eagle3Drafter:
         if self._in_pool and max(self._m_list) + S + k > self.pool.k.shape[2]:
             self._leave_pool()  # no room left after some slot's m: gather from here on
         if self._in_pool:
-            h2, logits = self._expand_in_pool(h, tokens.to(dev).long(), positions, tree_mask, S)
+            h2 = self._expand_in_pool(h, tokens.to(dev).long(), positions, tree_mask, S)
             self._tree_mask, self._frontier_h, self._level = tree_mask, h2, level
-            return self.head.logits(h2) if logits is None else logits
+            return self.head.logits(h2)
         m_max = self._seen.shape[1]
         mask = torch.cat((self._seen.view(B, 1, m_max).expand(B, k, m_max), tree_mask), 2)
         h2, k_new, v_new = self.head.layer(
@@ -396,16 +396,12 @@ class Eagle3Drafter:
                         tree_mask: torch.Tensor, S: int):  # fmt: skip
         """A level on the in-pool path: its k nodes' K/V into rows m_b + S .. m_b + S + k - 1
         of each slot (after the S rows of the earlier levels), attended where they lie. Returns
-        (h2, the draft logits or None: one sequence's level runs in one call with its logits,
-        Eagle3Head.level_one_call)."""
+        h2. (One sequence's level reaches here only where its one C++ call does not apply:
+        _expand_one tried it first.)"""
         B, k = tokens.shape
         dev, m = self.head.device, self._m_list
         if B == 1:
             s, r0 = self.slots[0], m[0] + S
-            one = self.head.level_one_call(h, tokens, positions, self.pool, s, r0, m[0],
-                                           tree_mask.to(torch.uint8))  # fmt: skip
-            if one is not None:
-                return one
             prefix_lens = kv_slots = None
             pool_k, pool_v = self.pool.k[0, s : s + 1], self.pool.v[0, s : s + 1]
             write = (slice(None), slice(r0, r0 + k))
@@ -418,7 +414,7 @@ class Eagle3Drafter:
             h, tokens, positions, pool_k, pool_v, write, tree_mask.to(torch.uint8), max(m),
             prefix_lens, kv_slots,
         )  # fmt: skip
-        return h2, None
+        return h2
 
     def _check_expand(self, level: int, parent_rank: torch.Tensor, tokens: torch.Tensor) -> None:
         if level != self._level + 1 or self._level < 0:
