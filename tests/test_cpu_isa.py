@@ -180,9 +180,14 @@ def test_pool_sampler_same_bits(level, dtype, V):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("level", LEVELS)
 def test_tree_attention_same_bits(level, dtype):
-    # (B, N, H, Hkv, D, prefix_len): GQA, odd D, D not a multiple of 16, several cache tiles
+    # (B, N, H, Hkv, D, prefix_len): GQA, odd D, D not a multiple of 16, several cache tiles;
+    # the register-blocked loops (tree_attention.cpp): one node of SmolLM2's and Llama's shapes,
+    # one query a task, query groups split 8 + 7, D = 48 and 40, partial blocks of 16 rows
     for B, N, H, Hkv, D, prefix_len in [(1, 7, 8, 2, 16, 13), (3, 1, 6, 1, 7, 9),
-                                         (2, 9, 6, 1, 80, 70), (1, 12, 8, 2, 64, 150)]:  # fmt: skip
+                                         (2, 9, 6, 1, 80, 70), (1, 12, 8, 2, 64, 150),
+                                         (1, 1, 9, 3, 64, 150), (1, 2, 32, 8, 128, 90),
+                                         (2, 1, 4, 4, 64, 200), (2, 5, 9, 3, 48, 77),
+                                         (1, 3, 4, 2, 40, 33)]:  # fmt: skip
         q, k, v, mask = random_inputs(B, N, H, Hkv, D, prefix_len, dtype=dtype, seed=D)
         base, other = at_default_and(level, kernels.tree_attention, q, k, v, mask, prefix_len)
         assert_same_bits(base, other, f"tree attention B={B} N={N} H={H} D={D} P={prefix_len}")

@@ -14,7 +14,10 @@
 // A score is the sum over d in order of q[d] * k[d] (each product and sum rounded), computed
 // with the vector lanes over a tile's cache rows (K converted and transposed 8 x 8): a plain
 // step's task has only G = 1-4 queries, which lanes over queries padded to 16 (widened 1B's
-// layer at one node, 300 cached rows: 507 -> 255 us on a Zen 4, one thread; same bits).
+// layer at one node, 300 cached rows: 507 -> 255 us on a Zen 4, one thread; same bits). On the
+// AVX-512 level (and for the scores of a small task on AVX2) register-blocked loops compute the
+// same sums in the same order with the transposed rows kept in registers (score_rows_avx512,
+// value_rows_avx512): SmolLM2's layer at one node after 1500 cached rows, 180 -> 92 us.
 #include "rheo/tree_attention.h"
 
 #include "cpu_math.h"
@@ -23,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -369,11 +373,12 @@ struct Workspace {
   std::vector<float> run_sum;  // [Mp]  running sum of exp(score - run_max)
   std::vector<float> acc;      // [Mp, Dp]  running sum of exp(score - run_max) * v
   std::vector<int32_t> tile;   // [nodes, T]  the softmax tile of each node's tree row, -1: unseen
+  std::vector<int64_t> tile_lo, tile_hi;  // [tiles]  the slot rows a task's tile k spans
   Workspace(int64_t D, int64_t M, int64_t nodes, int64_t T)
       : Mp(round_up(M, 2)), Dp(round_up(D, kDimBlock)),
         ld_p(round_up(kTileRows - 1 + T, kTileRows)), q(Mp * D), row(D), k_t(D * kTileRows),
         v_tile(kTileRows * Dp), p(Mp * ld_p), run_max(Mp), run_sum(Mp), acc(Mp * Dp),
-        tile(nodes * T) {}
+        tile(nodes * T), tile_lo(ld_p / kTileRows + 1), tile_hi(ld_p / kTileRows + 1) {}
 };
 
 void gather_queries(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
@@ -538,6 +543,233 @@ RHEO_ISA_COPIES(void, accumulate_tile, accumulate_tile_loop,
                  Workspace& ws),
                 (a, t, j0, rows, col, ws))
 
+// --- the AVX-512 level's score and V loops: 16 lanes, no scratch round trip ---
+//
+// The same sums in the same order as score_tile_loop and accumulate_tile_loop, so the same bits
+// (tests/test_cpu_isa.py): a score is still the sum over d in order of q[d] * k[d], each product
+// and sum rounded, then times the scale; acc[m, d] still adds w[m, r] * v[r, d] over the rows in
+// order. What changes is where the operands live. Scores: 16 cache rows x 16 head dims are
+// loaded (bf16 widened by a shift), transposed in registers (lanes over rows) and multiplied into
+// the accumulators of up to kScoreGroup queries at once, where the 8-lane loops stored the
+// transposed K to scratch and read it back per pair of queries. V: each row is widened once per
+// group of queries and added into accumulators that stay in registers for the whole tile, where
+// the 8-lane loops converted the tile to scratch and walked it per pair of queries and 32
+// columns. A plain step's task (G = 1-4 queries) ran ~3x as many instructions the old way.
+#ifdef RHEO_HAVE_X86_EXP
+constexpr int kScoreGroup = 8;  // queries a score pass holds: 8 sums + 16 rows + a broadcast
+
+#define RHEO_AVX512 __attribute__((target("avx512f"), always_inline)) inline
+
+// 16 elements at src as float32 (bf16 widened by a shift, as load8).
+RHEO_AVX512 __m512 load16(const char* src, DType dtype) {
+  if (dtype == DType::kFloat32) return _mm512_loadu_ps(src);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// r[0..15] (16 rows of 16) transposed in place: r[j][i] = old r[i][j].
+RHEO_AVX512 void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0x88);
+      t[h + 4 + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
+// p[g * ld + r] = scale * <q_g, k_{j0+r}> for the Q queries q [Q, D] and r < rows.
+template <int Q>
+__attribute__((target("avx512f"))) void score_rows_avx512(const TreeAttentionArgs& a,
+                                                          const Task& t, int64_t j0,
+                                                          int64_t rows, const float* q,
+                                                          float* p, int64_t ld) {
+  const int64_t D = a.D, elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t step = a.kv_stride_l * elem;  // bytes from one cache row to the next
+  const char* k = static_cast<const char*>(a.k) + kv_offset(a, t, j0) * elem;
+  for (int64_t r = 0; r < rows; r += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r);
+    const char* rows16 = k + r * step;
+    __m512 acc[Q];
+    for (int g = 0; g < Q; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 b[16];
+      if (n == 16) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) b[i] = load16(rows16 + i * step + d * elem, a.dtype);
+      } else {
+        for (int i = 0; i < 16; ++i)
+          b[i] = i < n ? load16(rows16 + i * step + d * elem, a.dtype) : _mm512_setzero_ps();
+      }
+      transpose16(b);  // b[j] = dim d + j of the 16 rows
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+#pragma GCC unroll 8
+        for (int g = 0; g < Q; ++g)
+          acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(b[j], _mm512_set1_ps(q[g * D + d + j])));
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < Q; ++g)
+      _mm512_mask_storeu_ps(p + g * ld + r, keep, _mm512_mul_ps(acc[g], _mm512_set1_ps(a.scale)));
+  }
+}
+
+// acc[g * Dp + d] += sum_r w[g * ld + r] * v_{j0+r}[d] for the Q queries, D = 16 * V.
+template <int V, int Q>
+__attribute__((target("avx512f"))) void value_rows_avx512(const TreeAttentionArgs& a,
+                                                          const Task& t, int64_t j0,
+                                                          int64_t rows, const float* w,
+                                                          int64_t ld, float* acc, int64_t Dp) {
+  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  const char* v = static_cast<const char*>(a.v);
+  __m512 s[Q][V];
+  for (int g = 0; g < Q; ++g)
+    for (int i = 0; i < V; ++i) s[g][i] = _mm512_loadu_ps(acc + g * Dp + 16 * i);
+  const int64_t step = a.kv_stride_l * elem;  // bytes from one cache row to the next
+  const char* src = v + kv_offset(a, t, j0) * elem;
+  for (int64_t r = 0; r < rows; ++r, src += step) {
+    __m512 x[V];
+    for (int i = 0; i < V; ++i) x[i] = load16(src + 16 * i * elem, a.dtype);
+    for (int g = 0; g < Q; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * ld + r]);
+      for (int i = 0; i < V; ++i) s[g][i] = _mm512_add_ps(s[g][i], _mm512_mul_ps(x[i], wg));
+    }
+  }
+  for (int g = 0; g < Q; ++g)
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + g * Dp + 16 * i, s[g][i]);
+}
+
+// score_rows_avx512 on the AVX2 level: 8 cache rows x 8 head dims transposed in registers.
+template <int Q>
+__attribute__((target("avx2"))) void score_rows_avx2(const TreeAttentionArgs& a, const Task& t,
+                                                     int64_t j0, int64_t rows, const float* q,
+                                                     float* p, int64_t ld) {
+  const int64_t D = a.D, elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t step = a.kv_stride_l * elem;  // bytes from one cache row to the next
+  const char* k = static_cast<const char*>(a.k) + kv_offset(a, t, j0) * elem;
+  for (int64_t r = 0; r < rows; r += 8) {
+    const int64_t n = std::min<int64_t>(8, rows - r);
+    const char* rows8 = k + r * step;
+    f32x8 acc[Q] = {};
+    for (int64_t d = 0; d < D; d += 8) {
+      f32x8 b[8];
+      if (n == 8) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) b[i] = load8(rows8 + i * step + d * elem, a.dtype);
+      } else {
+        for (int i = 0; i < 8; ++i)
+          b[i] = i < n ? load8(rows8 + i * step + d * elem, a.dtype) : f32x8{};
+      }
+      transpose8(b);  // b[j] = dim d + j of the 8 rows
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 8
+        for (int g = 0; g < Q; ++g) acc[g] += b[j] * q[g * D + d + j];
+    }
+    for (int g = 0; g < Q; ++g)
+      for (int64_t i = 0; i < n; ++i) p[g * ld + r + i] = acc[g][i] * a.scale;
+  }
+}
+
+// Which loops run this call's scores and V sums: the 16-lane ones on the AVX-512 level, the
+// 8-lane register-blocked scores on the AVX2 level (its V sums stay accumulate_tile's), for bf16
+// or float32 with D a multiple of 16 up to 128 (AVX-512: value_rows_avx512's accumulators stay in
+// registers) or of 8 (AVX2); else the ISA copies of score_tile and accumulate_tile.
+enum class Loops { kCopies, kAvx2, kAvx512 };
+Loops loops_for(const TreeAttentionArgs& a) {
+  if (a.dtype == DType::kFloat16) return Loops::kCopies;
+  const cpu::Isa isa = cpu::active_isa();
+  if (isa == cpu::Isa::kAvx512 && a.D % 16 == 0 && a.D <= 128) return Loops::kAvx512;
+  if (isa >= cpu::Isa::kAvx2 && a.D % 8 == 0) return Loops::kAvx2;
+  return Loops::kCopies;
+}
+
+// Calls f.template operator()<N>() for N = n in [1, 8] (templates for register-held arrays).
+template <typename F>
+void with_count(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// score_tile by the register-blocked loops, the queries in as few balanced groups as the level's
+// registers allow (8 on AVX-512, 6 on AVX2).
+void score_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
+                        int64_t col, Workspace& ws, Loops loops) {
+  const int64_t most = loops == Loops::kAvx512 ? 8 : 6;
+  const int64_t groups = (t.M + most - 1) / most;
+  const int64_t size = (t.M + groups - 1) / groups;
+  for (int64_t m = 0; m < t.M; m += size) {
+    const float* q = ws.q.data() + m * a.D;
+    float* p = ws.p.data() + m * ws.ld_p + col;
+    with_count(std::min(size, t.M - m), [&](auto Q) {
+      if (loops == Loops::kAvx512) return score_rows_avx512<Q>(a, t, j0, rows, q, p, ws.ld_p);
+      if constexpr (Q <= 6) score_rows_avx2<Q>(a, t, j0, rows, q, p, ws.ld_p);
+    });
+  }
+  if (t.M % 2) std::fill_n(ws.p.data() + t.M * ws.ld_p + col, kTileRows, 0.0f);  // as score_tile
+}
+
+// accumulate_tile by value_rows_avx512 (the AVX-512 level): 16 / (D / 16) queries at a time (at most 8).
+void accumulate_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
+                          int64_t col, Workspace& ws) {
+  const int64_t vecs = a.D / 16, per = std::min<int64_t>(8, 16 / vecs);
+  for (int64_t m = 0; m < t.M; m += per) {
+    const int64_t q = std::min(per, t.M - m);
+    with_count(vecs, [&](auto V) {
+      with_count(q, [&](auto Q) {
+        if constexpr (V * Q <= 16)
+          value_rows_avx512<V, Q>(a, t, j0, rows, ws.p.data() + m * ws.ld_p + col, ws.ld_p,
+                                  ws.acc.data() + m * ws.Dp, ws.Dp);
+      });
+    });
+  }
+}
+#undef RHEO_AVX512
+#endif  // RHEO_HAVE_X86_EXP
+
+// The score and V steps of a tile: the register-blocked loops where loops_for allows, else the
+// ISA copies.
+void scores(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows, int64_t col,
+            Workspace& ws) {
+#ifdef RHEO_HAVE_X86_EXP
+  // On AVX2 only for a task of one group: with more, each group transposes K again, where
+  // score_tile transposes it once into scratch (a 16-node tree's 48 queries: 1.8x its time).
+  const Loops loops = loops_for(a);
+  if (loops == Loops::kAvx512 || (loops == Loops::kAvx2 && t.M <= 6))
+    return score_tile_blocked(a, t, j0, rows, col, ws, loops);
+#endif
+  score_tile(a, t, j0, rows, col, ws);
+}
+
+void accumulate(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows, int64_t col,
+                Workspace& ws) {
+#ifdef RHEO_HAVE_X86_EXP
+  if (loops_for(a) == Loops::kAvx512) return accumulate_tile_blocked(a, t, j0, rows, col, ws);
+#endif
+  accumulate_tile(a, t, j0, rows, col, ws);
+}
+
 // Step 4: out = acc / run_sum. A node that sees no row at all (P_b = 0 and an empty
 // mask row) gets zeros, as the header states.
 void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
@@ -551,21 +783,23 @@ void write_outputs(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspa
 }
 
 // One softmax tile over the cache rows [lo, hi) (hi - lo <= ws.ld_p): scores in chunks of
-// kTileRows, then visible(m, j) says which of them query m sees (-inf otherwise), one
-// online-softmax update over the whole width, and the V rows in the same chunks.
-template <typename Visible>
+// kTileRows, then the rows query m does not see set to -inf (with ``tile``, a tree row j >= P
+// that node m / G does not place in tile k: tile[(m / G) * T + j - P] != k; the prefix's rows
+// are seen by all), one online-softmax update over the whole width, and the V rows in the same
+// chunks.
 void run_tile(const TreeAttentionArgs& a, const Task& t, int64_t lo, int64_t hi, Workspace& ws,
-              ExpRow exp_row, Visible visible) {
+              ExpRow exp_row, const int32_t* tile = nullptr, int64_t G = 1, int64_t k = 0) {
   for (int64_t j0 = lo; j0 < hi; j0 += kTileRows)
-    score_tile(a, t, j0, std::min(kTileRows, hi - j0), j0 - lo, ws);
-  for (int64_t m = 0; m < t.M; ++m) {
-    float* s = ws.p.data() + m * ws.ld_p;
-    for (int64_t j = lo; j < hi; ++j)
-      if (!visible(m, j)) s[j - lo] = kNegInf;
+    scores(a, t, j0, std::min(kTileRows, hi - j0), j0 - lo, ws);
+  const int64_t P = t.prefix, T = tree_rows(a), first = std::max(lo, P);
+  for (int64_t m = 0; tile != nullptr && m < t.M; ++m) {
+    float* s = ws.p.data() + m * ws.ld_p - lo;
+    const int32_t* seen = tile + (m / G) * T - P;  // seen[j]: the tile of tree row j
+    for (int64_t j = first; j < hi; ++j) s[j] = seen[j] == k ? s[j] : kNegInf;  // (vectorised)
   }
   softmax_update(t, hi - lo, ws, exp_row);
   for (int64_t j0 = lo; j0 < hi; j0 += kTileRows)
-    accumulate_tile(a, t, j0, std::min(kTileRows, hi - j0), j0 - lo, ws);
+    accumulate(a, t, j0, std::min(kTileRows, hi - j0), j0 - lo, ws);
 }
 
 // The tiles follow each query's visible rows, not the slot's: node n sees the prefix and then its
@@ -583,29 +817,34 @@ void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& w
   const int64_t P = t.prefix, T = tree_rows(a);
   const int64_t P0 = P / kTileRows * kTileRows;
   for (int64_t j0 = 0; j0 < P0; j0 += kTileRows)
-    run_tile(a, t, j0, j0 + kTileRows, ws, exp_row, [](int64_t, int64_t) { return true; });
+    run_tile(a, t, j0, j0 + kTileRows, ws, exp_row);
+  // tile[i, c]: the tile of node i's tree row c; [lo[k], hi[k]): the rows any query places in
+  // tile k (tile 0 starts with the prefix's last rows), both found in one pass over the mask
   int32_t* tile = ws.tile.data();
+  int64_t *lo = ws.tile_lo.data(), *hi = ws.tile_hi.data();
+  for (size_t k = 0; k < ws.tile_lo.size(); ++k) {
+    lo[k] = k == 0 ? P0 : P + T;
+    hi[k] = P;
+  }
   int64_t last = 0;
   for (int64_t i = 0; i < t.nodes; ++i) {
     const uint8_t* mask = a.tree_mask + (t.b * a.N + t.n0 + i) * T;
     int64_t rank = P - P0;
     for (int64_t c = 0; c < T; ++c) {
-      tile[i * T + c] = mask[c] ? static_cast<int32_t>(rank++ / kTileRows) : -1;
-      last = std::max<int64_t>(last, tile[i * T + c]);
+      if (!mask[c]) {
+        tile[i * T + c] = -1;
+        continue;
+      }
+      const int64_t k = rank++ / kTileRows;
+      tile[i * T + c] = static_cast<int32_t>(k);
+      lo[k] = std::min(lo[k], P + c);
+      hi[k] = std::max(hi[k], P + c + 1);
+      last = std::max(last, k);
     }
   }
   for (int64_t k = 0; k <= last; ++k) {
-    int64_t lo = k == 0 ? P0 : P + T, hi = P;  // tile 0 starts with the prefix's last rows
-    for (int64_t i = 0; i < t.nodes; ++i)
-      for (int64_t c = 0; c < T; ++c)
-        if (tile[i * T + c] == k) {
-          lo = std::min(lo, P + c);
-          hi = std::max(hi, P + c + 1);
-        }
-    if (lo >= hi) continue;
-    run_tile(a, t, lo, hi, ws, exp_row, [&](int64_t m, int64_t j) {
-      return j < P || tile[(m / G) * T + (j - P)] == k;
-    });
+    if (lo[k] >= hi[k]) continue;
+    run_tile(a, t, lo[k], hi[k], ws, exp_row, tile, G, k);
   }
   write_outputs(a, t, G, ws);
 }
