@@ -35,7 +35,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define RHEO_HAVE_X86_EXP 1
+#define RHEO_HAVE_X86_EXP 1  // (also guards the register-blocked AVX-512 / AVX2 loops)
 #endif
 
 namespace rheo {
@@ -796,7 +796,7 @@ void run_tile(const TreeAttentionArgs& a, const Task& t, int64_t lo, int64_t hi,
   for (int64_t m = 0; tile != nullptr && m < t.M; ++m) {
     float* s = ws.p.data() + m * ws.ld_p - lo;
     const int32_t* seen = tile + (m / G) * T - P;  // seen[j]: the tile of tree row j
-    for (int64_t j = first; j < hi; ++j) s[j] = seen[j] == k ? s[j] : kNegInf;  // (vectorised)
+    for (int64_t j = first; j < hi; ++j) s[j] = seen[j] == k ? s[j] : kNegInf;
   }
   softmax_update(t, hi - lo, ws, exp_row);
   for (int64_t j0 = lo; j0 < hi; j0 += kTileRows)
