@@ -190,16 +190,19 @@ def test_each_node_equals_itself_decoded_one_at_a_time(dtype, prefix_len):
     next tile: deep nodes after a prefix just short of a tile boundary catch that (a 6-node
     tree after 60 prefix rows put SmolLM2's greedy `rheo` off `ar` in bf16)."""
     gen = torch.Generator().manual_seed(prefix_len)
-    for N, chain in ((12, False), (40, False), (90, True)):
-        # bushy random trees, and a long chain with side branches: ranks over two or three tiles
+    for N, kind in ((12, "tree"), (40, "tree"), (90, "chain"), (150, "causal")):
+        # bushy random trees, a long chain with side branches (ranks over two or three tiles),
+        # and a prefill's causal mask (its rows' runs of 8 seen or hidden columns: run_task)
         mask = random_tree_mask(2, N, gen)
-        if chain:
+        if kind == "chain":
             mask = torch.zeros(1, N, N, dtype=torch.uint8)
             for i in range(N):
                 parent = i - 1 if i % 3 else max(i - 2, -1)
                 mask[0, i, i] = 1
                 if parent >= 0:
                     mask[0, i] |= mask[0, parent]
+        elif kind == "causal":
+            mask = torch.ones(1, N, N, dtype=torch.uint8).tril_()
         B, H, Hkv, D = mask.shape[0], 6, 2, 32
         q = torch.randn(B, N, H, D, generator=gen).to(dtype)
         k = torch.randn(B, prefix_len + N, Hkv, D, generator=gen).to(dtype)

@@ -374,11 +374,13 @@ struct Workspace {
   std::vector<float> acc;      // [Mp, Dp]  running sum of exp(score - run_max) * v
   std::vector<int32_t> tile;   // [nodes, T]  the softmax tile of each node's tree row, -1: unseen
   std::vector<int64_t> tile_lo, tile_hi;  // [tiles]  the slot rows a task's tile k spans
+  std::vector<int64_t> tile_seen;         // [tiles]  the (node, tree row) pairs in tile k
   Workspace(int64_t D, int64_t M, int64_t nodes, int64_t T)
       : Mp(round_up(M, 2)), Dp(round_up(D, kDimBlock)),
         ld_p(round_up(kTileRows - 1 + T, kTileRows)), q(Mp * D), row(D), k_t(D * kTileRows),
         v_tile(kTileRows * Dp), p(Mp * ld_p), run_max(Mp), run_sum(Mp), acc(Mp * Dp),
-        tile(nodes * T), tile_lo(ld_p / kTileRows + 1), tile_hi(ld_p / kTileRows + 1) {}
+        tile(nodes * T), tile_lo(ld_p / kTileRows + 1), tile_hi(ld_p / kTileRows + 1),
+        tile_seen(ld_p / kTileRows + 1) {}
 };
 
 void gather_queries(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& ws) {
@@ -627,22 +629,20 @@ __attribute__((target("avx512f"))) void score_rows_avx512(const TreeAttentionArg
   }
 }
 
-// acc[g * Dp + d] += sum_r w[g * ld + r] * v_{j0+r}[d] for the Q queries, D = 16 * V.
+// acc[g * Dp + d] += sum_r w[g * ld + r] * v_r[d] for the Q queries, D = 16 * V; row r of V at
+// src + r * step bytes, in dtype.
 template <int V, int Q>
-__attribute__((target("avx512f"))) void value_rows_avx512(const TreeAttentionArgs& a,
-                                                          const Task& t, int64_t j0,
-                                                          int64_t rows, const float* w,
-                                                          int64_t ld, float* acc, int64_t Dp) {
-  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
-  const char* v = static_cast<const char*>(a.v);
+__attribute__((target("avx512f"))) void value_rows_avx512(const char* src, int64_t step,
+                                                          DType dtype, int64_t rows,
+                                                          const float* w, int64_t ld, float* acc,
+                                                          int64_t Dp) {
+  const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
   __m512 s[Q][V];
   for (int g = 0; g < Q; ++g)
     for (int i = 0; i < V; ++i) s[g][i] = _mm512_loadu_ps(acc + g * Dp + 16 * i);
-  const int64_t step = a.kv_stride_l * elem;  // bytes from one cache row to the next
-  const char* src = v + kv_offset(a, t, j0) * elem;
   for (int64_t r = 0; r < rows; ++r, src += step) {
     __m512 x[V];
-    for (int i = 0; i < V; ++i) x[i] = load16(src + 16 * i * elem, a.dtype);
+    for (int i = 0; i < V; ++i) x[i] = load16(src + 16 * i * elem, dtype);
     for (int g = 0; g < Q; ++g) {
       const __m512 wg = _mm512_set1_ps(w[g * ld + r]);
       for (int i = 0; i < V; ++i) s[g][i] = _mm512_add_ps(s[g][i], _mm512_mul_ps(x[i], wg));
@@ -650,6 +650,62 @@ __attribute__((target("avx512f"))) void value_rows_avx512(const TreeAttentionArg
   }
   for (int g = 0; g < Q; ++g)
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + g * Dp + 16 * i, s[g][i]);
+}
+
+// k_t [D, kTileRows] = the tile's rows j0..j0+rows-1 transposed (16 x 16 blocks), rows past
+// ``rows`` in the last block zero: for a task of several score groups, transposed once.
+__attribute__((target("avx512f"))) void transpose_tile_avx512(const TreeAttentionArgs& a,
+                                                              const Task& t, int64_t j0,
+                                                              int64_t rows, float* k_t) {
+  const int64_t D = a.D, elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t step = a.kv_stride_l * elem;
+  const char* k = static_cast<const char*>(a.k) + kv_offset(a, t, j0) * elem;
+  for (int64_t r = 0; r < rows; r += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r);
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 b[16];
+      for (int i = 0; i < 16; ++i)
+        b[i] = i < n ? load16(k + (r + i) * step + d * elem, a.dtype) : _mm512_setzero_ps();
+      transpose16(b);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(k_t + (d + j) * kTileRows + r, b[j]);
+    }
+  }
+}
+
+// score_rows_avx512 from a transposed tile k_t [D, kTileRows] (transpose_tile_avx512).
+template <int Q>
+__attribute__((target("avx512f"))) void score_transposed_avx512(const float* k_t, int64_t D,
+                                                                int64_t rows, const float* q,
+                                                                float scale, float* p,
+                                                                int64_t ld) {
+  for (int64_t r = 0; r < rows; r += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r);
+    __m512 acc[Q];
+    for (int g = 0; g < Q; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kd = _mm512_loadu_ps(k_t + d * kTileRows + r);
+#pragma GCC unroll 8
+      for (int g = 0; g < Q; ++g)
+        acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(kd, _mm512_set1_ps(q[g * D + d])));
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < Q; ++g)
+      _mm512_mask_storeu_ps(p + g * ld + r, keep, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+  }
+}
+
+// ws.v_tile [rows, Dp] = the tile's V rows j0..j0+rows-1 as float32 (converted once for a task of
+// several value groups).
+__attribute__((target("avx512f"))) void convert_values_avx512(const TreeAttentionArgs& a,
+                                                              const Task& t, int64_t j0,
+                                                              int64_t rows, float* v_tile,
+                                                              int64_t Dp) {
+  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t step = a.kv_stride_l * elem;
+  const char* src = static_cast<const char*>(a.v) + kv_offset(a, t, j0) * elem;
+  for (int64_t r = 0; r < rows; ++r, src += step)
+    for (int64_t d = 0; d < a.D; d += 16)
+      _mm512_storeu_ps(v_tile + r * Dp + d, load16(src + d * elem, a.dtype));
 }
 
 // score_rows_avx512 on the AVX2 level: 8 cache rows x 8 head dims transposed in registers.
@@ -719,10 +775,14 @@ void score_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, i
   const int64_t most = loops == Loops::kAvx512 ? 8 : 6;
   const int64_t groups = (t.M + most - 1) / most;
   const int64_t size = (t.M + groups - 1) / groups;
+  // several groups on AVX-512: the tile transposed once into k_t, which each group reads
+  const bool once = loops == Loops::kAvx512 && groups > 1;
+  if (once) transpose_tile_avx512(a, t, j0, rows, ws.k_t.data());
   for (int64_t m = 0; m < t.M; m += size) {
     const float* q = ws.q.data() + m * a.D;
     float* p = ws.p.data() + m * ws.ld_p + col;
     with_count(std::min(size, t.M - m), [&](auto Q) {
+      if (once) return score_transposed_avx512<Q>(ws.k_t.data(), a.D, rows, q, a.scale, p, ws.ld_p);
       if (loops == Loops::kAvx512) return score_rows_avx512<Q>(a, t, j0, rows, q, p, ws.ld_p);
       if constexpr (Q <= 6) score_rows_avx2<Q>(a, t, j0, rows, q, p, ws.ld_p);
     });
@@ -735,13 +795,23 @@ void score_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, i
 void accumulate_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
                           int64_t col, Workspace& ws) {
   const int64_t vecs = a.D / 16, per = std::min<int64_t>(8, 24 / vecs);
+  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  const char* src = static_cast<const char*>(a.v) + kv_offset(a, t, j0) * elem;
+  int64_t step = a.kv_stride_l * elem;
+  DType dtype = a.dtype;
+  if (t.M > per) {  // several groups: the tile's V rows converted once, read by each group
+    convert_values_avx512(a, t, j0, rows, ws.v_tile.data(), ws.Dp);
+    src = reinterpret_cast<const char*>(ws.v_tile.data());
+    step = ws.Dp * 4;
+    dtype = DType::kFloat32;
+  }
   for (int64_t m = 0; m < t.M; m += per) {
     const int64_t q = std::min(per, t.M - m);
     with_count(vecs, [&](auto V) {
       with_count(q, [&](auto Q) {
         if constexpr (V * Q <= 24)
-          value_rows_avx512<V, Q>(a, t, j0, rows, ws.p.data() + m * ws.ld_p + col, ws.ld_p,
-                                  ws.acc.data() + m * ws.Dp, ws.Dp);
+          value_rows_avx512<V, Q>(src, step, dtype, rows, ws.p.data() + m * ws.ld_p + col,
+                                  ws.ld_p, ws.acc.data() + m * ws.Dp, ws.Dp);
       });
     });
   }
@@ -820,32 +890,64 @@ void run_task(const TreeAttentionArgs& a, const Task& t, int64_t G, Workspace& w
   for (int64_t j0 = 0; j0 < P0; j0 += kTileRows)
     run_tile(a, t, j0, j0 + kTileRows, ws, exp_row);
   // tile[i, c]: the tile of node i's tree row c; [lo[k], hi[k]): the rows any query places in
-  // tile k (tile 0 starts with the prefix's last rows), both found in one pass over the mask
+  // tile k (tile 0 starts with the prefix's last rows); seen[k]: the (node, tree row) pairs in
+  // tile k. One pass over the mask, 8 columns at a time where they are all hidden or all seen
+  // within one tile (a prefill's rows: thousands of columns).
   int32_t* tile = ws.tile.data();
-  int64_t *lo = ws.tile_lo.data(), *hi = ws.tile_hi.data();
+  int64_t *lo = ws.tile_lo.data(), *hi = ws.tile_hi.data(), *seen = ws.tile_seen.data();
   for (size_t k = 0; k < ws.tile_lo.size(); ++k) {
     lo[k] = k == 0 ? P0 : P + T;
     hi[k] = P;
+    seen[k] = 0;
   }
   int64_t last = 0;
   for (int64_t i = 0; i < t.nodes; ++i) {
     const uint8_t* mask = a.tree_mask + (t.b * a.N + t.n0 + i) * T;
-    int64_t rank = P - P0;
-    for (int64_t c = 0; c < T; ++c) {
+    int32_t* row = tile + i * T;
+    int64_t rank = P - P0, cur = -1, first = 0, end = 0, run = 0;  // the tile k the node is in
+    const auto close = [&] {  // the node's columns [first, end) in tile cur, run of them seen
+      if (cur < 0) return;
+      lo[cur] = std::min(lo[cur], P + first);
+      hi[cur] = std::max(hi[cur], P + end);
+      seen[cur] += run;
+      last = std::max(last, cur);
+    };
+    const auto one = [&](int64_t c) {
       if (!mask[c]) {
-        tile[i * T + c] = -1;
-        continue;
+        row[c] = -1;
+        return;
       }
       const int64_t k = rank++ / kTileRows;
-      tile[i * T + c] = static_cast<int32_t>(k);
-      lo[k] = std::min(lo[k], P + c);
-      hi[k] = std::max(hi[k], P + c + 1);
-      last = std::max(last, k);
+      if (k != cur) {
+        close();
+        cur = k, first = c, run = 0;
+      }
+      row[c] = static_cast<int32_t>(k);
+      end = c + 1;
+      ++run;
+    };
+    int64_t c = 0;
+    for (; c + 8 <= T; c += 8) {
+      uint64_t bytes;
+      std::memcpy(&bytes, mask + c, sizeof bytes);
+      const int64_t k = rank / kTileRows;
+      if (bytes == 0) {
+        std::fill_n(row + c, 8, -1);
+      } else if (bytes == 0x0101010101010101ull && k == (rank + 7) / kTileRows && k == cur) {
+        std::fill_n(row + c, 8, static_cast<int32_t>(k));
+        rank += 8, end = c + 8, run += 8;
+      } else {
+        for (int64_t j = c; j < c + 8; ++j) one(j);
+      }
     }
+    for (; c < T; ++c) one(c);
+    close();
   }
   for (int64_t k = 0; k <= last; ++k) {
     if (lo[k] >= hi[k]) continue;
-    run_tile(a, t, lo[k], hi[k], ws, exp_row, tile, G, k);
+    // every node sees every tree row of the tile: nothing to mask
+    const bool all = seen[k] == t.nodes * (hi[k] - std::max(lo[k], P));
+    run_tile(a, t, lo[k], hi[k], ws, exp_row, all ? nullptr : tile, G, k);
   }
   write_outputs(a, t, G, ws);
 }
