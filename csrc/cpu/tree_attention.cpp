@@ -793,7 +793,7 @@ void score_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, i
 // accumulate_tile by value_rows_avx512 (the AVX-512 level): 24 / (D / 16) queries at a time, at
 // most 8 (their sums, a row's V and a broadcast in 32 registers; 16 / (D / 16) was ~4% slower).
 void accumulate_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
-                          int64_t col, Workspace& ws) {
+                             int64_t col, Workspace& ws) {
   const int64_t vecs = a.D / 16, per = std::min<int64_t>(8, 24 / vecs);
   const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
   const char* src = static_cast<const char*>(a.v) + kv_offset(a, t, j0) * elem;
