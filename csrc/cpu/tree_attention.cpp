@@ -402,6 +402,18 @@ inline int64_t kv_offset(const TreeAttentionArgs& a, const Task& t, int64_t j) {
   return t.slot * a.kv_stride_b + j * a.kv_stride_l + t.kvh * a.kv_stride_h;
 }
 
+// The task's cache rows j0, j0 + 1, ... of K or V (base: a.k or a.v) as bytes: the first, the
+// step from one row to the next, and an element's size (2 for bf16 and fp16, 4 for float32).
+struct CacheRows {
+  const char* first;
+  int64_t step, elem;
+};
+inline CacheRows cache_rows(const TreeAttentionArgs& a, const Task& t, const void* base,
+                            int64_t j0) {
+  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
+  return {static_cast<const char*>(base) + kv_offset(a, t, j0) * elem, a.kv_stride_l * elem, elem};
+}
+
 // Step 1: p[m, col + r] = scale * <q_m, k_{j0+r}> for r < rows <= kTileRows (the caller masks);
 // a padded query (m = M when M is odd) gets 0 and is never softmaxed, so its weights stay 0.
 // Compiled per ISA level (cpu_math.h RHEO_ISA_COPIES), as is accumulate_tile: the two hot loops.
@@ -599,9 +611,8 @@ __attribute__((target("avx512f"))) void score_rows_avx512(const TreeAttentionArg
                                                           const Task& t, int64_t j0,
                                                           int64_t rows, const float* q,
                                                           float* p, int64_t ld) {
-  const int64_t D = a.D, elem = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t step = a.kv_stride_l * elem;  // bytes from one cache row to the next
-  const char* k = static_cast<const char*>(a.k) + kv_offset(a, t, j0) * elem;
+  const int64_t D = a.D;
+  const auto [k, step, elem] = cache_rows(a, t, a.k, j0);
   for (int64_t r = 0; r < rows; r += 16) {
     const int64_t n = std::min<int64_t>(16, rows - r);
     const char* rows16 = k + r * step;
@@ -657,9 +668,8 @@ __attribute__((target("avx512f"))) void value_rows_avx512(const char* src, int64
 __attribute__((target("avx512f"))) void transpose_tile_avx512(const TreeAttentionArgs& a,
                                                               const Task& t, int64_t j0,
                                                               int64_t rows, float* k_t) {
-  const int64_t D = a.D, elem = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t step = a.kv_stride_l * elem;
-  const char* k = static_cast<const char*>(a.k) + kv_offset(a, t, j0) * elem;
+  const int64_t D = a.D;
+  const auto [k, step, elem] = cache_rows(a, t, a.k, j0);
   for (int64_t r = 0; r < rows; r += 16) {
     const int64_t n = std::min<int64_t>(16, rows - r);
     for (int64_t d = 0; d < D; d += 16) {
@@ -700,9 +710,8 @@ __attribute__((target("avx512f"))) void convert_values_avx512(const TreeAttentio
                                                               const Task& t, int64_t j0,
                                                               int64_t rows, float* v_tile,
                                                               int64_t Dp) {
-  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t step = a.kv_stride_l * elem;
-  const char* src = static_cast<const char*>(a.v) + kv_offset(a, t, j0) * elem;
+  const auto [first, step, elem] = cache_rows(a, t, a.v, j0);
+  const char* src = first;
   for (int64_t r = 0; r < rows; ++r, src += step)
     for (int64_t d = 0; d < a.D; d += 16)
       _mm512_storeu_ps(v_tile + r * Dp + d, load16(src + d * elem, a.dtype));
@@ -713,9 +722,8 @@ template <int Q>
 __attribute__((target("avx2"))) void score_rows_avx2(const TreeAttentionArgs& a, const Task& t,
                                                      int64_t j0, int64_t rows, const float* q,
                                                      float* p, int64_t ld) {
-  const int64_t D = a.D, elem = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t step = a.kv_stride_l * elem;  // bytes from one cache row to the next
-  const char* k = static_cast<const char*>(a.k) + kv_offset(a, t, j0) * elem;
+  const int64_t D = a.D;
+  const auto [k, step, elem] = cache_rows(a, t, a.k, j0);
   for (int64_t r = 0; r < rows; r += 8) {
     const int64_t n = std::min<int64_t>(8, rows - r);
     const char* rows8 = k + r * step;
@@ -795,9 +803,9 @@ void score_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, i
 void accumulate_tile_blocked(const TreeAttentionArgs& a, const Task& t, int64_t j0, int64_t rows,
                              int64_t col, Workspace& ws) {
   const int64_t vecs = a.D / 16, per = std::min<int64_t>(8, 24 / vecs);
-  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;
-  const char* src = static_cast<const char*>(a.v) + kv_offset(a, t, j0) * elem;
-  int64_t step = a.kv_stride_l * elem;
+  const CacheRows v = cache_rows(a, t, a.v, j0);
+  const char* src = v.first;  // (not structured bindings: the lambdas below read them)
+  int64_t step = v.step;
   DType dtype = a.dtype;
   if (t.M > per) {  // several groups: the tile's V rows converted once, read by each group
     convert_values_avx512(a, t, j0, rows, ws.v_tile.data(), ws.Dp);
