@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from rheo_engine.io.weights import load_safetensors
@@ -16,7 +17,8 @@ from rheo_engine.models.llama import LlamaModel
 from rheo_engine.runtime.engine import DEFAULT_PAIR
 from rheo_engine.train.head import head_config
 from rheo_engine.train.head_config import HeadTrainConfig
-from rheo_engine.train.head_features import CONTEXT, LengthBatches, Packed, shard_features
+from rheo_engine.train.head_features import (CONTEXT, LengthBatches, Packed, is_cached,
+                                             load_packed_many, save_packed, shard_features)
 from rheo_engine.train.head_loop import Trainer
 from rheo_engine.train.head_shards import draft_vocabulary_of, empty_data, main
 from rheo_engine.train.smollm2_data import shard_path
@@ -44,7 +46,7 @@ def write_shards(data: Path, n: int, vocab: int, low: int = 3) -> None:
                             index=np.array(index, dtype=np.int32))  # fmt: skip
 
 
-def test_packed_windows_batches_and_length_runs() -> None:
+def test_packed_windows_batches_and_length_runs(tmp_path: Path) -> None:
     target = LlamaModel.from_pretrained(TARGET)
     rng = np.random.default_rng(1)
     seqs = [(rng.integers(3, 200, 20 + r), 20) for r in (5, 30, 12, 40, 7)]
@@ -61,6 +63,18 @@ def test_packed_windows_batches_and_length_runs() -> None:
     assert not features[1, CONTEXT + 5 :].any() and not tokens[1, CONTEXT + 5 :].any()
     both = Packed.cat([p, p])  # window 5 is the second copy's window 0
     assert len(both) == 10 and torch.equal(both.batch(torch.tensor([5]))[2][0], p.hidden[first])
+    # Read from files into tensors allocated once: the same windows as Packed.cat of the parts.
+    q = shard_features(target, seqs[1:3], LAYERS, torch.float32)
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for part, path in zip((p, q), paths, strict=True):
+        save_packed(part, path, {"made": "here"})
+        assert is_cached(path, {"made": "here"}) and not is_cached(path, {"made": "elsewhere"})
+    read, cat = load_packed_many(paths), Packed.cat([p, q])
+    for k in ("tokens", "features", "hidden", "argmax", "offsets"):
+        assert torch.equal(getattr(read, k), getattr(cat, k)), k
+    save_packed(shard_features(target, seqs[:1], LAYERS, torch.bfloat16), paths[1], {})
+    with pytest.raises(ValueError, match="does not match the other files"):
+        load_packed_many(paths)
     # Runs of similar length: every batch is a contiguous run of the length order.
     runs = LengthBatches(p, positions=2 * (CONTEXT + 12))
     gen = torch.Generator().manual_seed(0)

@@ -140,12 +140,52 @@ def save_packed(p: Packed, path: Path, settings: dict) -> None:
 
 def load_packed(path: Path, settings: dict) -> Packed | None:
     """The cached windows of ``path`` when they were made with ``settings``, else None."""
-    meta = path.with_suffix(".json")
-    if not (path.is_file() and meta.is_file()) or json.loads(meta.read_text()) != settings:
+    if not is_cached(path, settings):
         return None
     with safe_open(str(path), "pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
     return Packed(t["tokens"], t["features"], t["hidden"], t["argmax"], t["offsets"])
+
+
+def is_cached(path: Path, settings: dict) -> bool:
+    """Whether ``path`` holds windows made with ``settings`` (``load_packed`` would read them)."""
+    meta = path.with_suffix(".json")
+    return path.is_file() and meta.is_file() and json.loads(meta.read_text()) == settings
+
+
+def load_packed_many(paths: list[Path]) -> Packed:
+    """The cached windows of every path, back to back, as ``Packed.cat`` of each would give.
+
+    The tensors are allocated once, from the files' headers, and each file is read into its
+    place in turn: the peak is the total plus one file, not twice the total (two million
+    positions of SmolLM2's features are ~9 GB; the parts and their concatenation together did
+    not fit beside anything else on a 24 GB machine)."""
+    names = ("tokens", "features", "hidden", "argmax")
+    rows, windows, like = 0, 0, {}
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            rows += f.get_slice("tokens").get_shape()[0]
+            windows += f.get_slice("offsets").get_shape()[0] - 1
+            if not like:
+                like = {k: f.get_slice(k)[:0] for k in names}  # dtype and trailing shape
+    out = {k: torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for k, t in like.items()}
+    offsets = torch.zeros(windows + 1, dtype=torch.int64)
+    r, w = 0, 0
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            off = f.get_tensor("offsets")
+            n = int(off[-1] - off[0])
+            for k in names:
+                t = f.get_tensor(k)
+                if t.shape[0] != n or t.shape[1:] != out[k].shape[1:] or t.dtype != out[k].dtype:
+                    raise ValueError(f"{path}: {k} {tuple(t.shape)} {t.dtype} does not match the "
+                                     f"other files' {tuple(out[k].shape[1:])} {out[k].dtype}; "
+                                     "delete it to compute it again")  # fmt: skip
+                out[k][r : r + n] = t
+                del t
+        offsets[w + 1 : w + len(off)] = off[1:] - off[0] + r
+        r, w = r + n, w + len(off) - 1
+    return Packed(out["tokens"], out["features"], out["hidden"], out["argmax"], offsets)
 
 
 def cached_features(cache: Path | None, name: str, make, settings: dict) -> tuple[Packed, bool]:

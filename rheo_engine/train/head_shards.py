@@ -38,6 +38,7 @@ from rheo_engine.train.head import export, head_config, parse_layers
 from rheo_engine.train.head_config import HeadTrainConfig
 from rheo_engine.train.head_data import HeadData, resolve_feature_layers
 from rheo_engine.train.head_features import (CONTEXT, LengthBatches, Packed, cached_features,
+                                             is_cached, load_packed_many,
                                              settings_of, shard_features)  # fmt: skip
 from rheo_engine.train.head_loop import CHECKPOINT_SECONDS, Trainer, Window
 from rheo_engine.train.smollm2_data import load_shard, shard_path
@@ -186,11 +187,19 @@ def features_of(a: argparse.Namespace, target: LlamaModel, layers: tuple[int, ..
         raise FileNotFoundError(f"no training shards (2..) in {a.data}")
     parts = []
     for i in train_ids:
+        name = shard_path(a.data, i).stem
+        if cache is not None and is_cached(cache / f"{name}.safetensors", settings):
+            continue  # read below, into the tensors of all shards
         seqs = read_sequences(a.data, [i])
-        parts.append(cached_features(cache, shard_path(a.data, i).stem,
-                                     lambda seqs=seqs: shard_features(target, seqs, layers, dtype),
-                                     settings)[0])  # fmt: skip
-    return val, Packed.cat(parts), train_ids
+        got = cached_features(cache, name,
+                              lambda seqs=seqs: shard_features(target, seqs, layers, dtype),
+                              settings)[0]  # fmt: skip
+        if cache is None:
+            parts.append(got)
+    if cache is None:
+        return val, Packed.cat(parts), train_ids
+    paths = [cache / f"{shard_path(a.data, i).stem}.safetensors" for i in train_ids]
+    return val, load_packed_many(paths), train_ids
 
 
 def main(argv: list[str] | None = None) -> dict:
