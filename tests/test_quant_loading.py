@@ -289,6 +289,43 @@ def test_quantize_q8_0_by_row_chunks_gives_the_whole_matrix_bytes(monkeypatch):
     assert quant._CHUNK_ROWS > 600 and torch.equal(chunked.packed, quant.quantize_q8_0(w).packed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_quantized_as_it_is_read_holds_the_same_bytes(dtype, tmp_path):
+    """Eagle3Head.from_pretrained(quantize="q8_0") reads the file a tensor at a time and each
+    matrix 256 rows at a time (the load's peak, BENCHMARKS.md "Memory"): every weight equals
+    the float head's, placed in ``dtype`` then quantized whole (Eagle3Head.quantize)."""
+    from rheo_engine.io.weights import open_safetensors, save_safetensors
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.models.quant import QuantWeight, quantize_q8_0
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
+
+    target = LlamaModel.from_pretrained(DEFAULT_PAIR / "target")
+    eager = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target, dtype=dtype)
+    eager.quantize("q8_0")
+    read = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target, dtype=dtype,
+                                      quantize="q8_0")  # fmt: skip
+    assert read.weight_formats == eager.weight_formats and "Q8_0" in read.weight_formats
+    assert read.w.keys() == eager.w.keys()
+    for name, w in eager.w.items():
+        got = read.w[name]
+        assert type(got) is type(w), name
+        if isinstance(w, QuantWeight):
+            assert got.shape == w.shape and torch.equal(got.packed, w.packed), name
+        else:
+            assert got.dtype == w.dtype and torch.equal(got, w), name
+    # Rows in chunks: a float32 matrix of 300 rows in a file (a whole chunk of 256, then 44:
+    # the last panel padded), cast to ``dtype`` a chunk at a time, equals it cast and
+    # quantized whole.
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    save_safetensors({"w": w}, tmp_path / "w.safetensors")
+    lazy = open_safetensors(tmp_path / "w.safetensors")
+    want = quantize_q8_0(w.to(dtype)).packed
+    assert torch.equal(quantize_q8_0(lazy["w"], dtype, cast=dtype).packed, want)
+    assert torch.equal(quantize_q8_0(w.to(dtype)[:256]).packed, want[: 256 // 16])
+    with pytest.raises(ValueError, match="'q8_0' only, got 'q4_0'"):
+        Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target, quantize="q4_0")
+
+
 def test_the_head_holds_q_k_v_and_gate_up_once():
     """After a level stacked q/k/v and gate/up (Eagle3Head._fused_weights), each part is a view
     of its stacked matrix, so the head does not hold them twice; a level gives the same bits."""

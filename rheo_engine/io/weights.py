@@ -144,6 +144,9 @@ class LazyTensor:
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
+    def dim(self) -> int:
+        return len(self.shape)
+
     def load(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0]) if self.shape else self.owner.read(self)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from rheo_engine.io.weights import load_safetensors
+from rheo_engine.io.weights import LazyWeights, load_safetensors, open_safetensors, tensor_part
 from rheo_engine.models.eagle3_config import (
     ANOTHER_TARGET,
     ARCHITECTURE,
@@ -33,6 +33,7 @@ from rheo_engine.models.eagle3_config import (
 from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import forced as linear_forced
 from rheo_engine.models.linear import linear, one_call_matrix
+from rheo_engine.machine import trim_heap
 from rheo_engine.models.quant import QuantWeight, quantize_q8_0
 from rheo_engine.spec import kernels
 
@@ -361,19 +362,23 @@ class Eagle3Head:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         source: str | None = None,
+        quantize: str | None = None,
     ) -> Eagle3Head:
         """Check the head against its target, then place it (default: target device and dtype).
-        ``source`` (the head's directory) is named in the errors, with ``target.source``."""
+        ``source`` (the head's directory) is named in the errors, with ``target.source``.
+        ``weights`` may be LazyTensors (io.weights.open_safetensors): each is read as it is
+        placed. ``quantize`` ("q8_0"): each matrix is held so as it is placed (quantize())."""
         where = _where(source, target)
         _check_target(cfg, target, where)
         _check_keys(cfg, weights, where)
         _check_fc(cfg, weights["fc.weight"], where)
         _check_shapes(cfg, weights, where)
-        embed = _embedding(cfg, weights.get("embed_tokens.weight"), target, where)
-        to_target = _draft_to_target(cfg, weights.get("d2t"), weights.get("t2d"), where)
+        small = {k: tensor_part(weights[k]) for k in OPTIONAL_KEYS if k in weights}
+        embed = _embedding(cfg, small.get("embed_tokens.weight"), target, where)
+        to_target = _draft_to_target(cfg, small.get("d2t"), small.get("t2d"), where)
         device = target.device if device is None else torch.device(device)
         dtype = target.dtype if dtype is None else dtype
-        placed = {k: weights[k].to(device, dtype) for k in REQUIRED_KEYS}
+        placed = {k: _placed(weights, k, device, dtype, quantize) for k in REQUIRED_KEYS}
         maybe_ids = None if to_target is None else to_target.to(device)
         # The target's quantized table stays one (moved, not dequantized: a float copy of
         # SmolLM2's would be 54 MB in bf16 against its 29 MB in Q8_0)
@@ -387,10 +392,16 @@ class Eagle3Head:
         target: LlamaModel,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quantize: str | None = None,
     ) -> Eagle3Head:
         """A head directory: config.json + model.safetensors (or shards with
         model.safetensors.index.json). SpecForge/SGLang heads load as they are; the authors'
-        pytorch_model.bin goes through convert_eagle3 first (weights load with safetensors)."""
+        pytorch_model.bin goes through convert_eagle3 first (weights load with safetensors).
+
+        ``quantize`` ("q8_0", as quantize() holds it): the tensors are read one at a time, each
+        matrix quantized as soon as it is read, so the load never holds the float head beside
+        its quantized copy (SmolLM2's head: the 18.8 MB file's mapped pages and the 10 MB of
+        Q8_0 together raised the engine's load peak by ~34 MB; BENCHMARKS.md, "Memory")."""
         path = Path(path)
         cfg = HeadConfig.from_hf_dir(path, target.cfg, target.source)
         has_st = (path / "model.safetensors").is_file() or (
@@ -401,8 +412,10 @@ class Eagle3Head:
                 f"{path} holds pytorch_model.bin only; weights load from safetensors: run "
                 f"python -m rheo_engine.io.convert eagle3 {path} <out_dir> and load <out_dir>"
             )
-        weights = load_safetensors(path)
-        return cls.from_weights(cfg, weights, target, device, dtype, str(path))
+        if quantize is not None:
+            _check_qtype(quantize)
+        weights = load_safetensors(path) if quantize is None else open_safetensors(path)
+        return cls.from_weights(cfg, weights, target, device, dtype, str(path), quantize)
 
     def new_pool(self, max_len: int, slots: int) -> SlotPool:
         """Pair memory for ``slots`` sequences of up to ``max_len`` pairs (a batch)."""
@@ -421,12 +434,9 @@ class Eagle3Head:
         in Q8_0"). Drafts change only by the weights' rounding; verification makes every
         method lossless whatever the drafts (docs/algorithm.md). A matrix whose width is not a
         multiple of 32 stays float. Inference only: a QuantWeight has no gradient."""
-        if qtype != "q8_0":
-            raise ValueError(f"a head can be held in 'q8_0' only, got {qtype!r}")
+        _check_qtype(qtype)
         for name in self.MATRICES:
-            w = self.w[name]
-            if not isinstance(w, QuantWeight) and w.shape[-1] % 32 == 0:
-                self.w[name] = quantize_q8_0(w, self.dtype)
+            self.w[name] = _held(name, self.w[name], qtype, self.dtype)
         # The tensors left (norms, vocabulary maps) may be views of the weights file, mapped
         # whole by safetensors: copies of their own let the mapping go, and with it the file's
         # pages (SmolLM2's head: 18.8 MB resident beside its 10 MB of Q8_0 matrices)
@@ -697,3 +707,40 @@ def _attention(
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, -1).to(v.dtype)  # [B, Hq, n, S]
     return torch.einsum("bhns,bshd->bnhd", probs, v)
+
+
+def _check_qtype(qtype: str) -> None:
+    if qtype != "q8_0":
+        raise ValueError(f"a head can be held in 'q8_0' only, got {qtype!r}")
+
+
+def _quantized(name: str, w, qtype: str | None) -> bool:
+    """Whether the head holds weight ``name`` in ``qtype``: a matrix of Eagle3Head.MATRICES
+    whose width is a multiple of 32 (quantize's rule), not held so already."""
+    return (qtype is not None and name in Eagle3Head.MATRICES and not isinstance(w, QuantWeight)
+            and w.shape[-1] % 32 == 0)  # fmt: skip
+
+
+def _held(name: str, w, qtype: str | None, dtype: torch.dtype):
+    """Weight ``name`` as the head holds it (_quantized), else as it is."""
+    return quantize_q8_0(w, dtype) if _quantized(name, w, qtype) else w
+
+
+def _placed(weights: dict, name: str, device: torch.device, dtype: torch.dtype,
+            quantize: str | None):  # fmt: skip
+    """weights[name] on ``device`` in ``dtype``, held as ``quantize`` says (_held). A
+    LazyTensor's file is mapped only while it is read; a matrix quantized on the CPU is read
+    and quantized a chunk of rows at a time (quant.quantize_q8_0: SmolLM2's lm_head, 9.4 MB in
+    bf16, is never held whole)."""
+    w = weights[name]
+    lazy = isinstance(weights, LazyWeights)
+    if lazy and device.type == "cpu" and _quantized(name, w, quantize):
+        held = quantize_q8_0(w, dtype, cast=dtype)
+        # The chunks' freed memory back to the OS at once: glibc keeps what a matrix's chunks
+        # freed, and over the head's eight matrices that added ~25 MB to the load's peak
+        trim_heap()
+    else:
+        held = _held(name, tensor_part(w).to(device, dtype), quantize, dtype)
+    if lazy:
+        weights.close()  # the file's mapping, and the pages this read touched, go with it
+    return held

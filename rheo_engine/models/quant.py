@@ -173,19 +173,34 @@ def _pack(qtype: str, raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([head.reshape(P, nb, -1), codes.reshape(P, nb, -1)], -1).contiguous()
 
 
-def quantize_q8_0(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> QuantWeight:
+def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
+                  cast: torch.dtype | None = None) -> QuantWeight:  # fmt: skip
     """A float W [out, in] (in % 32 == 0) as Q8_0, by llama.cpp's quantize_row_q8_0_ref:
-    d = amax / 127 per block, q = round(w / d) (ties away from zero: roundf), d stored as fp16."""
+    d = amax / 127 per block, q = round(w / d) (ties away from zero: roundf), d stored as fp16.
+
+    ``w``: a tensor, or a LazyTensor of a safetensors file (io.weights), read rows a chunk at
+    a time, so a matrix is never held whole in float; ``cast``: each chunk rounded to that
+    dtype first, as the float matrix placed in it would be. Held on ``w``'s device (a
+    LazyTensor's: the CPU)."""
     out, in_ = w.shape
     if in_ % _BLOCK:
         raise ValueError(f"--quantize q8_0 needs in % 32 == 0, got a weight of shape {[out, in_]}")
-    # Rows a chunk at a time (each row's blocks on their own, so the same bytes): the float32
-    # temporaries of a whole matrix peaked at ~8x its size (the smollm2 head's: +140 MB RSS)
-    raw = torch.cat([_q8_0_blocks(w[r : r + _CHUNK_ROWS]) for r in range(0, out, _CHUNK_ROWS)])
-    return QuantWeight("q8_0", (out, in_), _pack("q8_0", raw).to(w.device), dtype)
+    # Rows a chunk at a time, each packed into its panels at once (a chunk is whole panels, and
+    # each row's blocks are quantized on their own: the same bytes as the whole matrix at once).
+    # The float32 temporaries of a whole matrix peaked at ~8x its size (the smollm2 head's:
+    # +140 MB RSS); its blocks and their packed copy side by side, at ~2x the Q8_0 matrix.
+    packed = None
+    for r in range(0, out, _CHUNK_ROWS):
+        rows = w.narrow(0, r, min(_CHUNK_ROWS, out - r))
+        part = _pack("q8_0", _q8_0_blocks(rows if cast is None else rows.to(dtype=cast)))
+        if packed is None:
+            P = (out + _PANEL - 1) // _PANEL
+            packed = torch.empty((P, *part.shape[1:]), dtype=torch.uint8, device=part.device)
+        packed[r // _PANEL : r // _PANEL + len(part)] = part
+    return QuantWeight("q8_0", (out, in_), packed.to(getattr(w, "device", "cpu")), dtype)
 
 
-_CHUNK_ROWS = 256
+_CHUNK_ROWS = 256  # a multiple of _PANEL
 
 
 def _q8_0_blocks(w: torch.Tensor) -> torch.Tensor:

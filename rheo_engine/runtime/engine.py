@@ -429,10 +429,12 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
         model = LlamaModel.from_pretrained(target, device, dtype, tp, quantized, quantize)
         tokenizer, defaults = Tokenizer.from_dir(target), GenerationDefaults.from_dir(target)
     defaults = _head_defaults(defaults, draft)
-    # The head in the target's dtype unless told (None: the same), as a dtype or its name.
-    head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, model.dtype)
-    if head is not None and model.quantized_kinds():
-        head.quantize("q8_0")  # the head follows its target: kept quantized, a level ~0.5x bf16
+    trim_heap()  # the GGUF reader's and the tokenizer's freed memory, before the head's peak
+    # The head in the target's dtype. It follows a quantized target: held in Q8_0 (a level
+    # ~0.5x bf16), each matrix quantized as it is read.
+    qtype = "q8_0" if model.quantized_kinds() else None
+    head = None if draft is None else Eagle3Head.from_pretrained(draft, model, device, model.dtype,
+                                                                 qtype)  # fmt: skip
     n_threads = None
     if device.type == "cpu":
         total = threads or default_threads(parameter_count(model.cfg))
