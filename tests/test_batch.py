@@ -6,6 +6,8 @@ Losslessness of the batched step is tests/test_batch_lossless.py."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -118,6 +120,42 @@ def test_batch_errors_are_one_line(default_engine) -> None:
     decoder = default_engine.decoder(max_batch=1, max_len=16)
     with pytest.raises(ValueError, match=r"needs 2\d rows .* max_len=16"):
         decoder.admit(default_engine.request("Once upon a time", 20))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ragged_commit_skips_the_rows_in_place(batch) -> None:
+    """With the host's paths (the step's outcome) commit_paths leaves out the rows already in
+    place (a prefix with path[i] == i: a plain step's root, a chain's run): the pool ends the
+    same as when every kept row is copied, on random ascending paths, identities included."""
+    rng = random.Random(batch)
+    for trial in range(40):
+        pools = []
+        keep = [rng.randint(1, 5) for _ in range(batch)]
+        paths, host = [], []
+        for n in keep:
+            if trial % 4 == 0:  # all in place
+                path = list(range(n))
+            else:
+                path = [0] + sorted(rng.sample(range(1, 6), n - 1))
+                if trial % 4 == 1:  # in place, then not
+                    path = list(range(n - 1)) + [max(n - 1, 5)] if n > 1 else [0]
+            host.append(path + [-1] * (6 - n))
+            paths.append(host[-1])
+        for with_host in (False, True):
+            pool = SlotPool(n_layers=2, slots=3, max_len=16, n_kv_heads=1, head_dim=2)
+            slots = [pool.acquire() for _ in range(batch)]
+            for i, s in enumerate(slots):
+                pool.lengths[s] = 2 + 3 * i
+                R = pool.k.shape[2]
+                pool.k[:, s] = torch.arange(float(R)).view(1, R, 1, 1) + 100 * i
+                pool.v[:, s] = -pool.k[:, s]
+            view = pool.batch(slots)
+            view.commit_paths(torch.tensor(paths, dtype=torch.int32), keep,
+                              host_paths=host if with_host else None)  # fmt: skip
+            pools.append((pool.k.clone(), pool.v.clone(), list(pool.lengths), list(view.lengths)))
+        for got, want in zip(pools[1], pools[0], strict=True):
+            assert (torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want), (
+                trial, paths, keep)
 
 
 def test_slot_pool_ragged_commit() -> None:

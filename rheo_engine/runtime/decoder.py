@@ -188,7 +188,8 @@ class _SlotTarget:
         )  # fmt: skip
 
     def commit(self, tree: kernels.Tree, verdict: kernels.Verdict, outcome: Outcome) -> None:
-        self.view.commit_paths(verdict.accept_path, outcome.accept_len, verdict.accept_len)
+        self.view.commit_paths(verdict.accept_path, outcome.accept_len, verdict.accept_len,
+                               outcome.accept_path)  # fmt: skip
 
 
 DEFAULT_MAX_LEN = 4096  # rows per slot when not given (a long-context model's full context
