@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -126,6 +127,20 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive to the garbage collector's permanent generation
+    (gc.freeze), once a long-lived process (the OpenAI server) has loaded its engine. A full
+    collection traverses every tracked object, and after a load there are ~170k (the imports,
+    the tokenizer's and the engine's Python side): on the default pair one took 68-77 ms (Zen 4,
+    quiet; one came in 48 requests of 128 tokens), a stall in some request's stream. Frozen
+    objects are not traversed again; what they own is still freed by reference counting as ever
+    (only a cycle among them would stay). Not done by ``Engine.from_pretrained`` nor the CLIs,
+    which run in-process in tests and applications whose heaps are theirs: an application that
+    serves for long may call it after its own load."""
+    gc.collect()
+    gc.freeze()
 
 
 @functools.cache

@@ -725,3 +725,22 @@ def test_drafts_field_and_server_default(engine):
         assert bad.value.body["param"] == "drafts"
     finally:
         _stop(s)
+
+
+def test_the_server_freezes_its_heap_before_it_serves(monkeypatch):
+    """serve's main moves the load's objects out of the collector's full collections
+    (machine.freeze_heap: ~70 ms stalls otherwise) after the engine loads, before uvicorn
+    serves; freeze_heap itself (in a child: gc.freeze is process-wide) freezes what is alive."""
+    from rheo_engine.entrypoints import serve
+
+    calls = []
+    monkeypatch.setattr(serve, "freeze_heap", lambda: calls.append("freeze"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: calls.append("run"))
+    serve.main(["--host", "127.0.0.1", "--port", "0", "--threads", "1"])
+    assert calls == ["freeze", "run"]
+    child = ("import gc; from rheo_engine.machine import freeze_heap; "
+             "alive = len(gc.get_objects()); freeze_heap(); "
+             "assert gc.get_freeze_count() >= alive // 2, (gc.get_freeze_count(), alive); "
+             "assert len(gc.get_objects(2)) < alive // 10")  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, check=True)

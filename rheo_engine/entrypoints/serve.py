@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from rheo_engine.entrypoints.openai_api import ApiError, Call, engine_error, parse
+from rheo_engine.machine import freeze_heap
 from rheo_engine.runtime.scheduler import Cancelled, Handle, QueueFull, Scheduler
 
 try:
@@ -374,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 log.info("Uvicorn running on %s (Press CTRL+C to quit); serving %r", url, name)
                 log.info("%s", kv_line(scheduler))
 
+    freeze_heap()  # the load's objects out of every full collection (machine.freeze_heap)
     try:
         Uvicorn(uvicorn.Config(server.app, host=args.host, port=port)).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down first, then raised the signal again
