@@ -636,6 +636,11 @@ def test_a_kept_profile_contradicted_by_real_steps_is_flagged():
                 policy.observe(cfg, None if cfg.method == "ar" else outcome([]),
                                measured * policy.predicted_s)  # fmt: skip
         assert policy.contradicted is flagged
+        assert policy.measured_ratio == pytest.approx(measured if check else 1.0)
+    scaled = prof.scaled(2.0)
+    assert scaled.target_s == {1: 2.0, 2: 3.2, 16: 8.0}
+    assert scaled.level_s == {k: 2 * v for k, v in prof.level_s.items()}
+    assert scaled.step_s(3, 8, 4) == pytest.approx(2.0 * prof.step_s(3, 8, 4))
     policy.use_profile(profile({1: 0.5, 16: 2.0}))
     assert not policy.contradicted and policy.plain_s == pytest.approx(0.5)
 
@@ -672,6 +677,51 @@ def test_the_engine_measures_again_a_profile_in_doubt_or_contradicted(tiny, tmp_
     gen = new_engine().generate(PROMPT, 30, temperature=1.0, seed=3, ignore_eos=True, **SMALL)
     assert gen.steps > 1 + AutoTree.CHECK_STEPS, gen.trees.histogram()
     assert len(measures) == 1 and gen.measure_s > 0 and len(gen.token_ids) == 30
+
+
+def test_a_contradicted_profile_is_learned_again_without_measuring(tiny, tmp_path, monkeypatch):
+    """On one CPU process (the costs learned from real steps, the default) a kept profile that
+    the first real steps contradict is not estimated again: its times scaled by what those steps
+    measured (CostProfile.scaled) are learned from the steps that follow (a new CostLearner)."""
+    from rheo_engine.runtime.decoder import BatchDecoder
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    SMALL = dict(topk=4, depth=3, total_tokens=8, drafts="head")
+    measures, scaled = [], []
+    real_measure, real_scaled = BatchDecoder._measure, CostProfile.scaled
+
+    def counted(self, seq, key, how=None):
+        measures.append(key)
+        return real_measure(self, seq, key, how)
+
+    def scaling(self, ratio):
+        scaled.append((self, ratio, real_scaled(self, ratio)))
+        return scaled[-1][2]
+
+    def new_engine() -> Engine:
+        return Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+
+    monkeypatch.setattr(BatchDecoder, "_measure", counted)
+    monkeypatch.setattr(CostProfile, "scaled", scaling)
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RHEO_COSTS", raising=False)
+    monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
+    monkeypatch.setattr(CostLearner, "MAX_STEPS", 4)  # final (and kept) after 4 steps
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
+    new_engine().generate(PROMPT, 12, temperature=1.0, seed=3, ignore_eos=True, **SMALL)
+    assert len(measures) == 1  # the first profile: an estimate
+    (kept,) = (tmp_path / "cache").glob("profiles/*.json")
+    measures.clear()
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", 1.0)  # any step contradicts it
+    engine = new_engine()
+    gen = engine.generate(PROMPT, 30, temperature=1.0, seed=3, ignore_eos=True, **SMALL)
+    assert gen.steps > 1 + AutoTree.CHECK_STEPS, gen.trees.histogram()
+    assert measures == [] and gen.measure_s == 0 and len(gen.token_ids) == 30
+    (old, ratio, new), *_ = scaled
+    assert ratio != 1.0 and new.target_s == {n: t * ratio for n, t in old.target_s.items()}
+    learner = engine.cost_learners.get(new.key)
+    assert learner is None or learner.estimate is new  # (done and popped once final)
+    assert engine.cost_profiles[new.key].key == new.key
 
 
 def test_plain_steps_of_both_drafts_check_a_kept_profile(tiny, tmp_path, monkeypatch):

@@ -159,6 +159,19 @@ class CostProfile:
     # n prompt-lookup nodes alone, for lookup_policy.costs_from_profile.
     lookup_s: dict[int, float] = field(default_factory=dict)
 
+    def scaled(self, ratio: float) -> CostProfile:
+        """This profile with every time (forwards, drafting, verification, lookup steps) times
+        ``ratio``, its calibration kept: what a contradicted profile becomes before real steps
+        refine it again (BatchDecoder._policy), where the machine's load moved every step."""
+        def times(table: dict) -> dict:
+            return {k: v * ratio for k, v in table.items()}
+
+        return dataclasses.replace(
+            self, target_s=times(self.target_s), draft_base_s=self.draft_base_s * ratio,
+            level_s=times(self.level_s), verify_s=times(self.verify_s), measure_s=0.0,
+            lookup_s=times(self.lookup_s),
+        )  # fmt: skip
+
     def scale(self, n):
         """The calibration factor at n nodes (1 where there is none): linear between the sizes
         calibrated, the nearest one's beyond them (a learned profile calibrates the sizes its
@@ -793,6 +806,7 @@ class AutoTree:
         self.probe_cost, self.probe_tokens = 0.0, []  # the last probe's price, tokens per sequence
         self.checks: list[float] | None = [] if check else None  # measured / predicted
         self.contradicted = False
+        self.measured_ratio = 1.0  # the check's median measured / predicted seconds
         self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
         self.promised: dict[TreeConfig, float] = {}  # a chosen tree's drafts, by the evidence
         self.calibration = Calibration()  # of the chosen trees (a batch observes each per row)
@@ -963,6 +977,7 @@ class AutoTree:
         if len(checks) == self.CHECK_STEPS:
             ratio = statistics.median(checks)  # (np.median imports numpy.ma at first use: 75 ms)
             self.contradicted = not 1 / self.CONTRADICTION <= ratio <= self.CONTRADICTION
+            self.measured_ratio = ratio
             self.checks = None
 
 
