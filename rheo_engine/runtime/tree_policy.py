@@ -556,10 +556,13 @@ class CostLearner:
         at = sorted(measured)
         target_s = dict(est.target_s)
         if at:
-            ratios = [measured[r] / est.target(r) for r in at]
+            curve = running_max(est.target_s)  # est.target(n), its running maximum made once
+            ratios = [measured[r] / extrapolated(curve, r) for r in at]
             beyond = [n for n in PROBE_SIZES if n > at[-1]]
-            target_s = {n: measured.get(n, est.target(n) * float(np.interp(n, at, ratios)))
-                        for n in sorted({*est.target_s, *at, *beyond})}  # fmt: skip
+            sizes = sorted({*est.target_s, *at, *beyond})
+            scaled = np.interp(sizes, at, ratios).tolist()
+            target_s = {n: measured.get(n, extrapolated(curve, n) * r)
+                        for n, r in zip(sizes, scaled, strict=True)}  # fmt: skip
         profile = dataclasses.replace(est, target_s=target_s, step_scale={}, spread={},
                                       lookup_s=self._medians(self.lookups))  # fmt: skip
         drafts = self._medians(self.drafts)
@@ -692,10 +695,14 @@ def _priced(profile: CostProfile, topks: tuple[int, ...], max_depth: int,
     # (the same operations in the same order: the same bits).
     verify = extrapolated(running_max(profile.verify_s), n)
     target, scale = profile.target(batch * n), profile.scale(n)
+    # Every depth of a width at once ([depth, n]): the same operations per element, so the
+    # same bits as one depth at a time (a refresh repriced 24 rows one numpy call each)
+    depths = np.arange(1, max_depth + 1)
     grid = np.array(
-        [[np.maximum.accumulate((batch * (drafting + verify) + target) * scale)[at]
-          for drafting in (profile.draft_base_s + extrapolated(profile.level_s, k) * d
-                           for d in range(1, max_depth + 1))] for k in topks]
+        [np.maximum.accumulate(
+            (batch * ((profile.draft_base_s + extrapolated(profile.level_s, k) * depths)[:, None]
+                      + verify) + target) * scale, axis=1)[:, at]
+         for k in topks]
     )  # fmt: skip
     grid = np.maximum(grid, plain)
     grid[..., np.array(sizes) == 1] = plain
