@@ -919,6 +919,7 @@ class BatchDecoder:
             start = time.perf_counter()
             profile = self._measure(seq, key, estimate_profile)
             request.measure_s += time.perf_counter() - start
+            trim_heap()  # its trees and logits, freed, back to the OS (as measured's)
             self.learners[key] = CostLearner(profile)  # refined by the steps (_learn)
             self.profiles[key] = profile
             return profile
