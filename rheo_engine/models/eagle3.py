@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rheo_engine.io.weights import LazyWeights, load_safetensors, open_safetensors, tensor_part
+from rheo_engine.machine import trim_heap
 from rheo_engine.models.eagle3_config import (
     ANOTHER_TARGET,
     ARCHITECTURE,
@@ -33,7 +34,6 @@ from rheo_engine.models.eagle3_config import (
 from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import forced as linear_forced
 from rheo_engine.models.linear import linear, one_call_matrix
-from rheo_engine.machine import trim_heap
 from rheo_engine.models.quant import QuantWeight, quantize_q8_0
 from rheo_engine.spec import kernels
 
