@@ -15,6 +15,7 @@ in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -340,6 +341,62 @@ def test_a_consumed_checkpoint_builds_the_same_model(files, qtype):
     if qtype == "Q4_1":  # quantized, as written: the pages dropped were read again intact
         raw = read_gguf(files[qtype]).tensors["model.layers.0.self_attn.o_proj.weight"]
         assert torch.equal(raw.packed, taken.layers[0].w_o.packed)
+
+
+def _resident_kb(path) -> int:
+    """KB of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and not head[0].endswith(":"):  # a mapping's line: range perms ... [path]
+                mine = len(head) >= 6 and head[-1] == str(path)
+            elif mine and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("qtype", ["F16", "Q4_1"])
+def test_reading_the_tensors_leaves_none_of_the_file_resident(files, qtype, monkeypatch):
+    """Once the tensors are copied out, none of the file's mapped pages are resident: dropping
+    each tensor's own range left 15 MB of SmolLM2's file (pages the kernel maps around a read),
+    so the load's peak held them beside the weights (io/gguf._drop_pages drops the prefix)."""
+    from rheo_engine.io import gguf as gguf_io
+
+    seen, read = [], gguf_io._tensors
+
+    def tensors(reader, path, *args):
+        out = read(reader, path, *args)
+        seen.append(_resident_kb(Path(path).resolve()))
+        return out
+
+    monkeypatch.setattr(gguf_io, "_tensors", tensors)
+    read_gguf(files[qtype])
+    assert seen == [0]
+    monkeypatch.setattr(gguf_io, "_drop_pages", lambda reader, upto=None: None)
+    read_gguf(files[qtype])
+    assert seen[1] > 0, "the check cannot fail: nothing was resident without the drops"
+
+
+def test_the_tokenizer_is_built_before_the_tensors_as_after(files, monkeypatch):
+    """read_gguf(tokenizer=True), as the engine loads a file: the Tokenizer and generation
+    defaults are built from the header before the tensors are read (its parse's ~40 MB then
+    adds to a nearly empty process, not to the weights), and are those built after."""
+    from rheo_engine.io import gguf as gguf_io
+
+    order, read, build = [], gguf_io._tensors, gguf_io.GGUFCheckpoint.load_tokenizer
+    monkeypatch.setattr(gguf_io, "_tensors", lambda *a: (order.append("tensors"), read(*a))[1])
+    monkeypatch.setattr(gguf_io.GGUFCheckpoint, "load_tokenizer",
+                        lambda self: (order.append("tokenizer"), build(self))[1])  # fmt: skip
+    early = read_gguf(files["Q4_1"], tokenizer=True)
+    assert order == ["tokenizer", "tensors"]
+    tok, defaults = early.load_tokenizer()
+    assert early.load_tokenizer()[0] is tok  # built once
+    late_tok, late_defaults = read_gguf(files["Q4_1"]).load_tokenizer()
+    text = "Hello world, 12 tokens: ok?"
+    assert tok.encode(text) == late_tok.encode(text) and tok.eos_ids == late_tok.eos_ids
+    assert dataclasses.replace(defaults, path=None) == dataclasses.replace(late_defaults, path=None)
 
 
 def test_the_lean_reader_reads_what_ggufs_reader_reads(files):

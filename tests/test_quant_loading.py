@@ -284,9 +284,10 @@ def test_quantize_q8_0_by_row_chunks_gives_the_whole_matrix_bytes(monkeypatch):
     from rheo_engine.models import quant
 
     w = torch.randn(600, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 96 * 40)  # 32 rows a chunk (whole panels)
     chunked = quant.quantize_q8_0(w)
-    monkeypatch.setattr(quant, "_CHUNK_ROWS", 10**9)
-    assert quant._CHUNK_ROWS > 600 and torch.equal(chunked.packed, quant.quantize_q8_0(w).packed)
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 10**9)
+    assert torch.equal(chunked.packed, quant.quantize_q8_0(w).packed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -120,6 +120,7 @@ class GGUFCheckpoint:
     tokenizer_config: dict[str, Any]  # tokenizer_config.json (with the chat template)
     generation_config: dict[str, Any]  # generation_config.json (BOS/EOS ids)
     formats: str = ""  # e.g. "kept quantized: Q4_1 x210, Q8_0 x1; dequantized: F32 x61"
+    loaded: tuple | None = None  # (Tokenizer, GenerationDefaults) built before the tensors
 
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write an HF directory: config.json, model.safetensors in ``dtype``, tokenizer.json,
@@ -150,6 +151,8 @@ class GGUFCheckpoint:
         from rheo_engine.io.generation_config import GenerationDefaults
         from rheo_engine.io.tokenizer import Tokenizer
 
+        if self.loaded is not None:
+            return self.loaded
         with tempfile.TemporaryDirectory(prefix="rheo-gguf-") as d:
             self.save_metadata(Path(d))
             tokenizer, defaults = Tokenizer.from_dir(d), GenerationDefaults.from_dir(d)
@@ -162,9 +165,13 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
-def read_gguf(path: str | Path, quantized: bool = True) -> GGUFCheckpoint:
+def read_gguf(path: str | Path, quantized: bool = True, tokenizer: bool = False) -> GGUFCheckpoint:
     """Read and check a llama GGUF file; Q8_0 / Q4_0 / Q4_1 tensors stay quantized (QuantWeight)
-    unless ``quantized=False``, the rest is dequantized. Every problem is one ValueError line."""
+    unless ``quantized=False``, the rest is dequantized. Every problem is one ValueError line.
+    ``tokenizer``: also build the Tokenizer and GenerationDefaults (``load_tokenizer`` returns
+    them), before the tensors are read: building them takes ~40 MB for a moment (tokenizers'
+    parse of a 49k vocabulary), which then adds to a nearly empty process instead of to the
+    weights (SmolLM2's load peaked there)."""
     reader, path, tok, config = _header(path)
     # The tokenizer is built: its fields (one parser object per vocabulary string and merge,
     # ~70 MB for a 49k vocabulary) go before the weights are read, so the load's peak holds
@@ -172,9 +179,13 @@ def read_gguf(path: str | Path, quantized: bool = True) -> GGUFCheckpoint:
     for key in [k for k in reader.fields if k.startswith("tokenizer.")]:
         del reader.fields[key]
     trim_heap()
-    tensors, formats = _tensors(reader, path, config, quantized)
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    return GGUFCheckpoint(path, config, tensors, *tok[:3], formats=formats)
+    ckpt = GGUFCheckpoint(path, config, {}, *tok[:3])
+    if tokenizer:
+        ckpt.loaded = ckpt.load_tokenizer()
+        trim_heap()  # the parse's transient memory
+    ckpt.tensors, ckpt.formats = _tensors(reader, path, config, quantized)
+    config["tie_word_embeddings"] = "lm_head.weight" not in ckpt.tensors
+    return ckpt
 
 
 def _float(t, dtype: torch.dtype) -> torch.Tensor:
@@ -415,8 +426,10 @@ def _tensors(reader, path: Path, config: dict[str, Any], quantized: bool = True)
                 f"{path}: tensor {t.name} has shape {list(shape)}, not "
                 f"{heads[kind]} heads of even size; the file is corrupt"
             )
+        end = int(t.data_offset) + int(t.n_bytes)
         if keep:  # whole rows of blocks: the q/k permutation moves rows as for floats
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy of the file's
+            _drop_pages(reader, end)  # before the packing's copy (the embedding's: 30 MB)
             if kind in heads and raw.dim() == 2 and raw.shape[0] == shape[0]:
                 raw = _unpermute(raw, heads[kind])
             w = QuantWeight.from_blocks(qtype.lower(), raw, shape, f"{path}: tensor {t.name}")
@@ -434,23 +447,27 @@ def _tensors(reader, path: Path, config: dict[str, Any], quantized: bool = True)
         counts = kept if keep else dequantized
         counts[qtype] = counts.get(qtype, 0) + 1
         out[hf] = w
-        _drop_pages(reader, t)
+        _drop_pages(reader, end)
+    _drop_pages(reader)
     return out, _formats(kept, dequantized)
 
 
-def _drop_pages(reader, t) -> None:
-    """Let the mapped file's pages of tensor ``t`` go once it is copied out (madvise
-    DONTNEED; a page read again comes back from the file): otherwise every page of the file
-    stays resident until the reader is dropped, and the load's peak holds the file and the
-    weights' copies both (SmolLM2's Q4_1 file: 94 MB). Nothing happens where the reader holds
-    no mmap or the platform has no madvise."""
+def _drop_pages(reader, upto: int | None = None) -> None:
+    """Let the mapped file's pages go once the tensors before byte ``upto`` are copied out
+    (madvise DONTNEED on the mapping's first ``upto`` bytes; None: all of it; a page read again
+    comes back from the file): otherwise every page of the file stays resident until the reader
+    is dropped, and the load's peak holds the file and the weights' copies both (SmolLM2's Q4_1
+    file: 94 MB). The whole prefix, not the tensor's own bytes: a read maps pages around the
+    ones it touches (the kernel's fault-around), and dropping each tensor's range alone left
+    15 MB of SmolLM2's file resident. Nothing happens where the reader holds no mmap or the
+    platform has no madvise."""
     mm = getattr(getattr(reader, "data", None), "_mmap", None)
     if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = int(t.data_offset)
-    lo = start - start % mmap.PAGESIZE
+    size = len(mm)
+    length = size if upto is None else min(size, -(-int(upto) // mmap.PAGESIZE) * mmap.PAGESIZE)
     try:
-        mm.madvise(mmap.MADV_DONTNEED, lo, start + int(t.n_bytes) - lo)
+        mm.madvise(mmap.MADV_DONTNEED, 0, length)
     except (OSError, ValueError):
         pass
 

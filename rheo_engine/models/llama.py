@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from rheo_engine.config import ModelConfig
 from rheo_engine.io.gguf import GGUFCheckpoint, is_gguf, read_gguf
 from rheo_engine.io.weights import load_safetensors, open_safetensors, read_parts, tensor_part
+from rheo_engine.machine import trim_heap
 from rheo_engine.models.kv_cache import KVCache, SlotBatch, SlotPool
 from rheo_engine.models.linear import forced as linear_forced
 from rheo_engine.models.linear import linear, one_call_matrix
@@ -418,6 +419,8 @@ class LlamaModel:
                     w_down=w(m + "down_proj.weight"),
                 )
             )
+            if consume:  # the layer's parts, replaced by its stacked copies: back to the OS,
+                trim_heap()  # else glibc kept them (+20 MB at SmolLM2's load peak)
         embed = w("model.embed_tokens.weight")
         split = tp is not None and tp.size > 1
         if not cfg.tie_word_embeddings:

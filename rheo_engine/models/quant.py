@@ -170,7 +170,12 @@ def _pack(qtype: str, raw: torch.Tensor) -> torch.Tensor:
     head = r[..., : 2 * S].reshape(P, nb, _PANEL, S, 2).permute(0, 1, 3, 2, 4)  # [P,nb,S,16,2]
     chunks = 8 if qtype == "q8_0" else 4
     codes = r[..., 2 * S :].reshape(P, nb, _PANEL, chunks, 4).permute(0, 1, 3, 2, 4)
-    return torch.cat([head.reshape(P, nb, -1), codes.reshape(P, nb, -1)], -1).contiguous()
+    # Copied straight into the records: reshaping the permuted views copied each first, and
+    # their concatenation again (the load's peak held SmolLM2's 30 MB embedding table 3 times)
+    out = raw.new_empty(P, nb, _PANEL * bb)
+    out[..., : 2 * S * _PANEL].view(P, nb, S, _PANEL, 2).copy_(head)
+    out[..., 2 * S * _PANEL :].view(P, nb, chunks, _PANEL, 4).copy_(codes)
+    return out
 
 
 def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
@@ -189,9 +194,15 @@ def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
     # each row's blocks are quantized on their own: the same bytes as the whole matrix at once).
     # The float32 temporaries of a whole matrix peaked at ~8x its size (the smollm2 head's:
     # +140 MB RSS); its blocks and their packed copy side by side, at ~2x the Q8_0 matrix.
+    # A chunk is at most _CHUNK_ELEMENTS weights: its ~10 float32 temporaries of 256 rows of a
+    # 1728-wide matrix added ~17 MB to the SmolLM2 head's load peak.
+    step = max(_PANEL, _CHUNK_ELEMENTS // in_ // _PANEL * _PANEL)
     packed = None
-    for r in range(0, out, _CHUNK_ROWS):
-        rows = w.narrow(0, r, min(_CHUNK_ROWS, out - r))
+    for r in range(0, out, step):
+        rows = w.narrow(0, r, min(step, out - r))
+        close = getattr(getattr(w, "owner", None), "close", None)
+        if close is not None:  # a LazyTensor's file: unmapped, so the pages read go (io.weights)
+            close()
         part = _pack("q8_0", _q8_0_blocks(rows if cast is None else rows.to(dtype=cast)))
         if packed is None:
             P = (out + _PANEL - 1) // _PANEL
@@ -200,7 +211,7 @@ def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
     return QuantWeight("q8_0", (out, in_), packed.to(getattr(w, "device", "cpu")), dtype)
 
 
-_CHUNK_ROWS = 256  # a multiple of _PANEL
+_CHUNK_ELEMENTS = 1 << 16  # weights a chunk of quantize_q8_0 (whole panels of rows)
 
 
 def _q8_0_blocks(w: torch.Tensor) -> torch.Tensor:

@@ -421,9 +421,9 @@ def _load(tp: TPGroup | None, device: torch.device, threads: int | None, target,
     """One process's Engine: the whole target, or (``tp``) this rank's part of it; the head
     whole. CPU threads: ``threads`` (None: default_threads), split over the ranks."""
     if is_gguf(target):
-        ckpt = read_gguf(target, quantized=quantized and tp is None)
+        ckpt = read_gguf(target, quantized=quantized and tp is None, tokenizer=True)
         model = LlamaModel.from_gguf(ckpt, device, dtype, tp, quantized, quantize, consume=True)
-        tokenizer, defaults = ckpt.load_tokenizer()
+        tokenizer, defaults = ckpt.load_tokenizer()  # built before the tensors (read_gguf)
         del ckpt
     else:
         model = LlamaModel.from_pretrained(target, device, dtype, tp, quantized, quantize)
