@@ -9,7 +9,8 @@ The load runs in a fresh process (a child of this one) so that nothing loaded ea
 counted: it imports the engine and runs one small matmul (torch's own first-use pages), reads
 /proc/self/status (VmRSS, RssAnon, RssFile), loads the pair, reads it again, generates
 ``--tokens`` tokens (T = 0, default options: the KV rows and buffers a first answer touches) and
-reads it once more; the peak is getrusage's ru_maxrss. "Growth" is after - before; the ratios
+reads it once more; the peak while loading is VmHWM after the load, the peak is getrusage's
+ru_maxrss (the load and the first answer). "Growth" is after - before; the ratios
 divide it by the target's bytes on disk (its GGUF file, or its directory's safetensors) and by
 those plus the head's. Linux only (/proc). Prints the conditions line and a markdown table.
 """
@@ -32,7 +33,7 @@ def status():
     with open("/proc/self/status") as f:
         for line in f:
             name = line.split(":")[0]
-            if name in ("VmRSS", "RssAnon", "RssFile"):
+            if name in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                 out[name] = int(line.split()[1]) / 1024
     return out
 args = json.loads(sys.argv[1])
@@ -87,10 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     after = f"after {args.tokens} tokens"
     for label, when in (("loaded", got["loaded"]), (after, got["generated"])):
-        grown = {k: when[k] - before[k] for k in before}
+        grown = {k: when[k] - before[k] for k in before if k != "VmHWM"}
         mb, anon, mapped = grown["VmRSS"], grown["RssAnon"], grown["RssFile"]
         ratios = [f"{mb * 2**20 / target_bytes:.2f}x", f"{mb * 2**20 / files:.2f}x"]
         rows.append([label, f"{mb:.0f}", f"{anon:.0f}", f"{mapped:.0f}", *ratios])
+    mb = got["loaded"]["VmHWM"] - before["VmRSS"]
+    rows.append(["peak while loading (VmHWM)", f"{mb:.0f}", "-", "-",
+                 f"{mb * 2**20 / target_bytes:.2f}x", f"{mb * 2**20 / files:.2f}x"])  # fmt: skip
     mb = got["peak"] - before["VmRSS"]
     rows.append(["peak (ru_maxrss)", f"{mb:.0f}", "-", "-", f"{mb * 2**20 / target_bytes:.2f}x",
                  f"{mb * 2**20 / files:.2f}x"])  # fmt: skip

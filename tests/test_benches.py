@@ -560,15 +560,17 @@ def test_step_profile_counts_what_a_gpu_launches(tmp_path):
 
 
 def test_load_memory_measures_a_fresh_process():
-    """bench/load_memory.py on the default pair: the RSS rows (loaded, after the tokens, peak)
-    with their ratios to the weight files; bad input in one line."""
+    """bench/load_memory.py on the default pair: the RSS rows (loaded, after the tokens, the
+    peak while loading, the peak) with their ratios to the weight files; bad input in one
+    line."""
     run = _run_script(["bench/load_memory.py", "--pair", "default", "--tokens", "2"])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("# bench=load_memory")
     rows = [line.split(" | ") for line in run.stdout.splitlines()
             if line.startswith(("| loaded", "| after 2 tokens", "| peak"))]  # fmt: skip
-    assert len(rows) == 3 and all(r[-1].endswith("x |") for r in rows), run.stdout
-    assert float(rows[0][1]) > 0 and float(rows[2][1]) >= float(rows[0][1])  # the peak is a peak
+    assert len(rows) == 4 and all(r[-1].endswith("x |") for r in rows), run.stdout
+    loaded, _, loading, peak = (float(r[1]) for r in rows)
+    assert loaded > 0 and peak >= loading >= loaded  # the peaks are peaks
     bad = _run_script(["bench/load_memory.py", "--tokens", "0"])
     assert bad.returncode == 2 and "--tokens" in bad.stderr and "Traceback" not in bad.stderr
 
