@@ -129,9 +129,10 @@ class Eagle3Drafter:
         buffers' commit in runtime/graphs.StaticDraft)."""
         waiting = [s for s in self.slots if self._pending[s]]
         feats, toks, counts = [], [], []
-        for s in waiting:
-            feats.append(torch.cat([f for f, _ in self._pending[s]], 0))
-            toks.append(torch.cat([t for _, t in self._pending[s]], 0))
+        for s in waiting:  # (a plain step's pair is queued as [1, 1, F] and [1]: commit)
+            pairs = self._pending[s]
+            feats.append(torch.cat([f.view(-1, f.shape[-1]) for f, _ in pairs], 0))
+            toks.append(torch.cat([t.view(-1) for _, t in pairs], 0).long())
             counts.append(feats[-1].shape[0])
             self._pending[s], self._pending_rows[s] = [], 0
         return waiting, feats, toks, counts
@@ -451,8 +452,18 @@ class Eagle3Drafter:
             )
         self._level = -1
         B, N, F_in = features.shape
+        bonus = verdict.bonus_token
+        if N == 1 and B == 1 and bonus.device == features.device:
+            # One sequence's plain step: its pair as the step made it, [1, 1, F] and [1] (any
+            # int dtype), shaped and cast when it runs (take_waiting): a plain step's hot path
+            slot = self.slots[0]
+            if self.pool.lengths[slot] + self._pending_rows[slot] >= self.max_len:
+                self._queue(slot, features[0], bonus)  # raises: the slot is full
+            self._pending[slot].append((features, bonus))
+            self._pending_rows[slot] += 1
+            return
         dev = features.device
-        bonus = verdict.bonus_token.to(dev).long().view(B, 1)
+        bonus = bonus.to(dev).long().view(B, 1)
         if N == 1:  # a plain step: each root's pair, nothing to gather (the bonus token from
             # the device: a step uploads nothing, tests/test_host_reads.py), _queue's work inline
             # (a step's hot path)
