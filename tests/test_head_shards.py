@@ -144,6 +144,43 @@ def test_run_caches_features_resumes_exports_and_evaluates(tmp_path: Path, capsy
     assert result["acc"] == log["val"]["acc"]  # the same held-out windows, the same loss code
 
 
+def test_init_head_narrowed_to_its_most_frequent_draft_tokens(tmp_path: Path, capsys) -> None:
+    """--init-from HEAD --draft-vocab N (N below the head's): the head's N draft tokens most
+    frequent in the training replies, its lm_head's rows for them and every other weight as
+    they were (exported after no step, the engine reads it); widening stops in one line."""
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.train.head_shards import read_sequences, reply_counts
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    target = LlamaModel.from_pretrained(TARGET)
+    V = target.cfg.vocab_size
+    write_shards(data, 4, V)
+    common = ["--data", str(data), "--target", str(TARGET), "--work", str(work),
+              "--feature-layers", "1,2,3", "--unroll", "2", "--positions", "128",
+              "--val-quick", "4", "--warmup", "1", "--autocast", "off"]  # fmt: skip
+    main([*common, "--draft-vocab", "300", "--max-steps", "2", "--out", str(tmp_path / "wide")])
+    main([*common, "--init-from", str(tmp_path / "wide"), "--draft-vocab", "120",
+          "--max-steps", "0", "--out", str(tmp_path / "narrow")])  # fmt: skip
+    wide = load_safetensors(tmp_path / "wide" / "model.safetensors")
+    narrow = load_safetensors(tmp_path / "narrow" / "model.safetensors")
+    was, now = wide["d2t"].long() + torch.arange(300), narrow["d2t"].long() + torch.arange(120)
+    counts = reply_counts(read_sequences(data, [2, 3]), V)[was]
+    top = was[torch.sort(-counts, stable=True).indices[:120]].sort().values
+    assert torch.equal(now, top) and bool((now[1:] > now[:-1]).all())
+    rows = torch.searchsorted(was, now)
+    assert torch.equal(narrow["lm_head.weight"], wide["lm_head.weight"][rows])
+    assert torch.equal(narrow["t2d"].nonzero().flatten(), now)
+    for name in set(wide) - {"lm_head.weight", "d2t", "t2d"}:
+        assert torch.equal(narrow[name], wide[name]), name
+    cfg = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 120
+    Eagle3Head.from_pretrained(tmp_path / "narrow", target)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*common, "--init-from", str(tmp_path / "narrow"), "--draft-vocab", "300"])
+    assert "can be narrowed (1..120), not widened" in capsys.readouterr().err
+
+
 def _replies(data: Path, shards: list[int]) -> list[int]:
     out = []
     for i in shards:

@@ -77,15 +77,41 @@ def parse_shards(text: str) -> set[int]:
     return ids
 
 
+def reply_counts(seqs: list[tuple[np.ndarray, int]], V: int) -> torch.Tensor:
+    """[V] how often each target id occurs in the sequences' replies."""
+    counts = np.zeros(V, dtype=np.int64)
+    for ids, prompt_len in seqs:
+        counts += np.bincount(ids[prompt_len:], minlength=V)
+    return torch.from_numpy(counts)
+
+
+def most_frequent(ids: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The n of ``ids`` most frequent by ``counts`` (ties by lower id), ascending."""
+    ids = ids.sort().values
+    order = torch.sort(-counts[ids], stable=True).indices
+    return ids[order[:n]].sort().values
+
+
 def draft_vocabulary_of(seqs: list[tuple[np.ndarray, int]], V: int, Vd: int) -> torch.Tensor:
     """The Vd most frequent reply tokens (ties by lower id), ascending; all ids when Vd is 0/V."""
     if Vd in (0, V):
         return torch.arange(V)
-    counts = np.zeros(V, dtype=np.int64)
-    for ids, prompt_len in seqs:
-        counts += np.bincount(ids[prompt_len:], minlength=V)
-    order = torch.sort(-torch.from_numpy(counts), stable=True).indices
-    return order[:Vd].sort().values
+    return most_frequent(torch.arange(V), reply_counts(seqs, V), Vd)
+
+
+def narrowed(init: tuple, seqs: list[tuple[np.ndarray, int]], V: int, Vd: int) -> tuple:
+    """A head read by read_head with its draft vocabulary cut to the Vd of its ids most frequent
+    in the sequences' replies: those rows of its lm_head, the rest of it as it was. The same
+    logits at the rows kept; a head's drafts cost its lm_head's rows (half a level's work at
+    8,192 rows for SmolLM2's head), docs/training.md."""
+    layers, used, weights = init
+    if not 0 < Vd <= len(used):
+        raise ValueError(f"--draft-vocab {Vd} with an --init-from head of {len(used)} draft "
+                         f"tokens: a head's vocabulary can be narrowed, not widened; pass "
+                         f"1..{len(used)} or drop --draft-vocab")  # fmt: skip
+    kept = most_frequent(used, reply_counts(seqs, V), Vd)
+    rows = torch.searchsorted(used, kept)  # used is ascending (read_head)
+    return layers, kept, dict(weights, **{"lm_head.weight": weights["lm_head.weight"][rows]})
 
 
 def load_target(path: Path, device: str, dtype: torch.dtype) -> LlamaModel:
@@ -222,7 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-steps", type=int, default=20000, help="the schedule's length, all runs")
     p.add_argument("--feature-layers", type=parse_layers, help="default: EAGLE's (2, N//2, N-3)")
     p.add_argument("--unroll", type=int, default=7)
-    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--draft-vocab", type=int,
+                   help="draft tokens: the N most frequent reply tokens (default 8192); "
+                        "with --init-from, that head's N most frequent (default: all)")
     p.add_argument("--positions", type=int, default=2048, help="positions per batch (about)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=40)
@@ -251,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
     init = None if a.init_from is None else read_head(a.init_from, t)
     if a.evaluate is not None:
         init = read_head(a.evaluate, t)
+    if init is not None and a.draft_vocab is not None and not 0 < a.draft_vocab <= len(init[1]):
+        p.error(f"--draft-vocab {a.draft_vocab}: the --init-from head has {len(init[1])} draft "
+                f"tokens, and a head's vocabulary can be narrowed (1..{len(init[1])}), not widened")
     layers = resolve_feature_layers(t, a.feature_layers) if init is None else init[0]
     t0 = time.perf_counter()
     val, train, train_ids = features_of(a, target, layers, dtype)
@@ -262,13 +293,18 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)  # fmt: skip
     if a.features_only:
         return {"train_positions": positions, "val_positions": int(val.offsets[-1])}
-    cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=a.draft_vocab, unroll=a.unroll,
+    vocab = 8192 if a.draft_vocab is None else a.draft_vocab
+    cfg = HeadTrainConfig(feature_layers=layers, draft_vocab=vocab, unroll=a.unroll,
                           batch=a.positions, lr=a.lr, warmup=a.warmup, max_steps=a.max_steps,
                           seed=a.seed, store_dtype="bfloat16", chat=True)  # fmt: skip
-    used = draft_vocabulary_of(read_sequences(a.data, train_ids), t.vocab_size, a.draft_vocab)
-    if init is not None:  # its lm_head rows are its own draft vocabulary's
+    seqs = read_sequences(a.data, train_ids)
+    if init is not None:  # its lm_head rows are its own draft vocabulary's (or --draft-vocab's)
+        if a.draft_vocab is not None and a.draft_vocab != len(init[1]):
+            init = narrowed(init, seqs, t.vocab_size, a.draft_vocab)
         layers, used, weights = init
         cfg = replace(cfg, draft_vocab=len(used))
+    else:
+        used = draft_vocabulary_of(seqs, t.vocab_size, cfg.draft_vocab)
     hcfg = head_config(t, cfg)
     trainer = Trainer(cfg, hcfg, target, used, empty_data(), empty_data(), a.device)
     trainer.autocast = pick_autocast(a.autocast, a.device)
