@@ -18,7 +18,8 @@ from rheo_engine.runtime.engine import DEFAULT_PAIR
 from rheo_engine.train.head import head_config
 from rheo_engine.train.head_config import HeadTrainConfig
 from rheo_engine.train.head_features import (CONTEXT, LengthBatches, Packed, is_cached,
-                                             load_packed_many, save_packed, shard_features)
+                                             load_packed_many, save_packed, shard_features,
+                                             spill_folder)
 from rheo_engine.train.head_loop import Trainer
 from rheo_engine.train.head_shards import draft_vocabulary_of, empty_data, main
 from rheo_engine.train.smollm2_data import shard_path
@@ -70,8 +71,17 @@ def test_packed_windows_batches_and_length_runs(tmp_path: Path) -> None:
         save_packed(part, path, {"made": "here"})
         assert is_cached(path, {"made": "here"}) and not is_cached(path, {"made": "elsewhere"})
     read, cat = load_packed_many(paths), Packed.cat([p, q])
+    spilled = load_packed_many(paths, tmp_path / "spill")  # features in file mappings
     for k in ("tokens", "features", "hidden", "argmax", "offsets"):
         assert torch.equal(getattr(read, k), getattr(cat, k)), k
+        assert torch.equal(getattr(spilled, k), getattr(cat, k)), k
+    for k in ("features", "hidden"):  # shared mappings of files already unlinked
+        name = getattr(spilled, k).untyped_storage().filename
+        assert name and name.startswith(str(tmp_path / "spill")) and not Path(name).exists(), k
+    assert read.features.untyped_storage().filename is None
+    if Path("/proc/meminfo").exists():  # (elsewhere nothing spills)
+        assert spill_folder(paths, tmp_path, share=0.0) == tmp_path
+        assert spill_folder(paths, tmp_path, share=1e6) is None
     save_packed(shard_features(target, seqs[:1], LAYERS, torch.bfloat16), paths[1], {})
     with pytest.raises(ValueError, match="does not match the other files"):
         load_packed_many(paths)

@@ -19,6 +19,7 @@ little padding: replies run from a few tokens to 320.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,13 +154,17 @@ def is_cached(path: Path, settings: dict) -> bool:
     return path.is_file() and meta.is_file() and json.loads(meta.read_text()) == settings
 
 
-def load_packed_many(paths: list[Path]) -> Packed:
+def load_packed_many(paths: list[Path], spill: Path | None = None) -> Packed:
     """The cached windows of every path, back to back, as ``Packed.cat`` of each would give.
 
     The tensors are allocated once, from the files' headers, and each file is read into its
     place in turn: the peak is the total plus one file, not twice the total (two million
     positions of SmolLM2's features are ~9 GB; the parts and their concatenation together did
-    not fit beside anything else on a 24 GB machine)."""
+    not fit beside anything else on a 24 GB machine). ``spill``: a folder where the features
+    and final states are held in file mappings (shared, the files unlinked at once, so they go
+    with the process) rather than in anonymous memory: page cache, which the kernel writes back
+    and evicts under pressure instead of killing the process (2.86M positions of SmolLM2 took
+    13 GB beside ~4 GB of training, and an OOM kill took a run on a 24 GB machine)."""
     names = ("tokens", "features", "hidden", "argmax")
     rows, windows, like = 0, 0, {}
     for path in paths:
@@ -168,7 +173,8 @@ def load_packed_many(paths: list[Path]) -> Packed:
             windows += f.get_slice("offsets").get_shape()[0] - 1
             if not like:
                 like = {k: f.get_slice(k)[:0] for k in names}  # dtype and trailing shape
-    out = {k: torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for k, t in like.items()}
+    out = {k: _allocated(k, (rows, *t.shape[1:]), t.dtype, spill if k in ("features", "hidden")
+                         else None) for k, t in like.items()}  # fmt: skip
     offsets = torch.zeros(windows + 1, dtype=torch.int64)
     r, w = 0, 0
     for path in paths:
@@ -186,6 +192,35 @@ def load_packed_many(paths: list[Path]) -> Packed:
         offsets[w + 1 : w + len(off)] = off[1:] - off[0] + r
         r, w = r + n, w + len(off) - 1
     return Packed(out["tokens"], out["features"], out["hidden"], out["argmax"], offsets)
+
+
+def _allocated(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               spill: Path | None) -> torch.Tensor:  # fmt: skip
+    """An uninitialised tensor; with ``spill``, a shared mapping of a file there, unlinked at
+    once (its blocks are freed when the last mapping goes)."""
+    n = int(np.prod(shape))
+    if spill is None or n == 0:
+        return torch.empty(shape, dtype=dtype)
+    spill.mkdir(parents=True, exist_ok=True)
+    path = spill / f"{name}.{os.getpid()}.spill"
+    path.unlink(missing_ok=True)
+    try:
+        return torch.from_file(str(path), shared=True, size=n, dtype=dtype).view(shape)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def spill_folder(paths: list[Path], folder: Path, share: float = 0.5) -> Path | None:
+    """``folder`` when the features and final states of ``paths`` (their files' bytes, about)
+    exceed ``share`` of the memory available now (Linux /proc/meminfo), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return None
+    available = info.get("MemAvailable")
+    total = sum(p.stat().st_size for p in paths)
+    return folder if available is not None and total > share * available else None
 
 
 def cached_features(cache: Path | None, name: str, make, settings: dict) -> tuple[Packed, bool]:

@@ -38,8 +38,8 @@ from rheo_engine.train.head import export, head_config, parse_layers
 from rheo_engine.train.head_config import HeadTrainConfig
 from rheo_engine.train.head_data import HeadData, resolve_feature_layers
 from rheo_engine.train.head_features import (CONTEXT, LengthBatches, Packed, cached_features,
-                                             is_cached, load_packed_many,
-                                             settings_of, shard_features)  # fmt: skip
+                                             is_cached, load_packed_many, settings_of,
+                                             shard_features, spill_folder)  # fmt: skip
 from rheo_engine.train.head_loop import CHECKPOINT_SECONDS, Trainer, Window
 from rheo_engine.train.smollm2_data import load_shard, shard_path
 
@@ -225,7 +225,11 @@ def features_of(a: argparse.Namespace, target: LlamaModel, layers: tuple[int, ..
     if cache is None:
         return val, Packed.cat(parts), train_ids
     paths = [cache / f"{shard_path(a.data, i).stem}.safetensors" for i in train_ids]
-    return val, load_packed_many(paths), train_ids
+    spill = spill_folder(paths, cache)  # more than half the free memory: in file mappings
+    if spill is not None:
+        print(f"features of {len(paths)} shards held in file mappings in {spill} (page cache)",
+              flush=True)  # fmt: skip
+    return val, load_packed_many(paths, spill), train_ids
 
 
 def main(argv: list[str] | None = None) -> dict:
