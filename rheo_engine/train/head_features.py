@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,7 +213,9 @@ def _allocated(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def spill_folder(paths: list[Path], folder: Path, share: float = 0.5) -> Path | None:
     """``folder`` when the features and final states of ``paths`` (their files' bytes, about)
-    exceed ``share`` of the memory available now (Linux /proc/meminfo), else None."""
+    exceed ``share`` of the memory available now (Linux /proc/meminfo) and the folder's disk
+    has room for them (a write to a mapping of a full disk would kill the process), else
+    None."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
@@ -220,7 +223,10 @@ def spill_folder(paths: list[Path], folder: Path, share: float = 0.5) -> Path | 
         return None
     available = info.get("MemAvailable")
     total = sum(p.stat().st_size for p in paths)
-    return folder if available is not None and total > share * available else None
+    if available is None or total <= share * available:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder if shutil.disk_usage(folder).free > 1.2 * total else None
 
 
 def cached_features(cache: Path | None, name: str, make, settings: dict) -> tuple[Packed, bool]:
