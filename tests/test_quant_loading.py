@@ -288,6 +288,14 @@ def test_quantize_q8_0_by_row_chunks_gives_the_whole_matrix_bytes(monkeypatch):
     chunked = quant.quantize_q8_0(w)
     monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 10**9)
     assert torch.equal(chunked.packed, quant.quantize_q8_0(w).packed)
+    # Into given panels (a stacked matrix's rows): the same bytes, held there; a wrong shape
+    # is refused, naming the shape it needs.
+    rows = torch.zeros(quant.q8_0_panels(600, 96), dtype=torch.uint8)  # 38 panels: 37.5 used
+    into = quant.quantize_q8_0(w, out=rows)
+    assert torch.equal(into.packed, chunked.packed)
+    assert into.packed.data_ptr() == rows.data_ptr()
+    with pytest.raises(ValueError, match=r"out must be panels \[38, 3, 544\]"):
+        quant.quantize_q8_0(w, out=rows[:37])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -327,25 +335,33 @@ def test_a_head_quantized_as_it_is_read_holds_the_same_bytes(dtype, tmp_path):
         Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target, quantize="q4_0")
 
 
-def test_the_head_holds_q_k_v_and_gate_up_once():
+@pytest.mark.parametrize("how", ["float", "quantized after", "quantized as read"])
+def test_the_head_holds_q_k_v_and_gate_up_once(how):
     """After a level stacked q/k/v and gate/up (Eagle3Head._fused_weights), each part is a view
-    of its stacked matrix, so the head does not hold them twice; a level gives the same bits."""
+    of its stacked matrix, so the head does not hold them twice; a level gives the same bits.
+    Quantized as read (the engine's load), each part is quantized straight into its rows of the
+    stacked matrix (_placed_stacked), kept from the load on: never a part beside its copy."""
     from rheo_engine.models.eagle3 import Eagle3Head
     from rheo_engine.models.quant import QuantWeight
     from rheo_engine.runtime.engine import DEFAULT_PAIR
 
     target = LlamaModel.from_pretrained(DEFAULT_PAIR / "target")
-    for q8 in (False, True):
-        head = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target)
-        if q8:
-            head.quantize("q8_0")
-        qkv, gate_up, _ = head._fused_weights()
-        for stacked, parts in ((qkv, ("q_proj", "k_proj", "v_proj")), (gate_up, ("gate_proj",
-                                                                                "up_proj"))):
-            base = (stacked.packed if q8 else stacked).untyped_storage().data_ptr()
-            for p in parts:
-                name = f"midlayer.{'self_attn' if p[0] in 'qkv' else 'mlp'}.{p}.weight"
-                t = head.w[name]
-                assert isinstance(t, QuantWeight) == q8
-                assert (t.packed if q8 else t).untyped_storage().data_ptr() == base, name
-        assert head._fused_weights()[0] is qkv  # kept: the views' versions are the key's
+    q8 = how != "float"
+    head = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target,
+                                      quantize="q8_0" if how == "quantized as read" else None)
+    if how == "quantized after":
+        head.quantize("q8_0")
+    kept = getattr(head, "_fused", None)
+    assert (kept is not None) == (how == "quantized as read")
+    qkv, gate_up, _ = head._fused_weights()
+    if kept is not None:
+        assert qkv is kept[1] and gate_up is kept[2]
+    for stacked, parts in ((qkv, ("q_proj", "k_proj", "v_proj")), (gate_up, ("gate_proj",
+                                                                            "up_proj"))):
+        base = (stacked.packed if q8 else stacked).untyped_storage().data_ptr()
+        for p in parts:
+            name = f"midlayer.{'self_attn' if p[0] in 'qkv' else 'mlp'}.{p}.weight"
+            t = head.w[name]
+            assert isinstance(t, QuantWeight) == q8
+            assert (t.packed if q8 else t).untyped_storage().data_ptr() == base, name
+    assert head._fused_weights()[0] is qkv  # kept: the views' versions are the key's

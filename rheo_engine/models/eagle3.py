@@ -34,7 +34,7 @@ from rheo_engine.models.eagle3_config import (
 from rheo_engine.models.kv_cache import SlotPool
 from rheo_engine.models.linear import forced as linear_forced
 from rheo_engine.models.linear import linear, one_call_matrix
-from rheo_engine.models.quant import QuantWeight, quantize_q8_0
+from rheo_engine.models.quant import QuantWeight, q8_0_panels, quantize_q8_0
 from rheo_engine.spec import kernels
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
 # The head's matrices fused at first use (Eagle3Head._fused_weights): q, k, v, then gate, up.
 _FUSED_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                 "mlp.up_proj")  # fmt: skip
+_FUSED_GROUPS = (_FUSED_PARTS[:3], _FUSED_PARTS[3:])  # one matmul each on the fused path
 
 if TYPE_CHECKING:
     from rheo_engine.models.llama import LlamaModel
@@ -378,12 +379,20 @@ class Eagle3Head:
         to_target = _draft_to_target(cfg, small.get("d2t"), small.get("t2d"), where)
         device = target.device if device is None else torch.device(device)
         dtype = target.dtype if dtype is None else dtype
-        placed = {k: _placed(weights, k, device, dtype, quantize) for k in REQUIRED_KEYS}
+        groups = [[f"midlayer.{k}.weight" for k in part] for part in _FUSED_GROUPS]
+        stacked = [_placed_stacked(weights, g, device, dtype, quantize) for g in groups]
+        placed = {k: _placed(weights, k, device, dtype, quantize) for k in REQUIRED_KEYS
+                  if not any(k in views for views, _ in stacked if views)}  # fmt: skip
+        for group, (views, _) in zip(groups, stacked, strict=True):
+            placed.update(zip(group, views or ()))
         maybe_ids = None if to_target is None else to_target.to(device)
         # The target's quantized table stays one (moved, not dequantized: a float copy of
         # SmolLM2's would be 54 MB in bf16 against its 29 MB in Q8_0)
         table = embed.to(device) if isinstance(embed, QuantWeight) else embed.to(device, dtype)
-        return cls(cfg, placed, table, maybe_ids, dtype)
+        head = cls(cfg, placed, table, maybe_ids, dtype)
+        if all(whole is not None for _, whole in stacked):
+            head._keep_fused(*(whole for _, whole in stacked))
+        return head
 
     @classmethod
     def from_pretrained(
@@ -524,17 +533,23 @@ class Eagle3Head:
         key = tuple((id(t), getattr(t, "_version", 0)) for t in parts)
         kept = getattr(self, "_fused", None)
         if kept is None or kept[0] != key:
-            inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.device)
             qkv, gate_up = _stacked(parts[:3]), _stacked(parts[3:])
             # the parts become views of the stacked matrices: held once, not twice
             for group, stacked in ((names[:3], qkv), (names[3:], gate_up)):
                 for name, view in zip(group, _row_views(stacked, [self.w[n] for n in group]),
                                       strict=True):  # fmt: skip
                     self.w[name] = view
-            key = tuple((id(self.w[n]), getattr(self.w[n], "_version", 0)) for n in names)
-            kept = (key, qkv, gate_up, inv_freq)
-            self._fused = kept
+            kept = self._keep_fused(qkv, gate_up)
         return kept[1], kept[2], kept[3]
+
+    def _keep_fused(self, qkv, gate_up) -> tuple:
+        """Keep the stacked q/k/v and gate/up matrices, whose rows the parts in self.w are,
+        for _fused_weights (keyed by those parts)."""
+        names = [f"midlayer.{k}.weight" for k in _FUSED_PARTS]
+        inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.device)
+        key = tuple((id(self.w[n]), getattr(self.w[n], "_version", 0)) for n in names)
+        self._fused = (key, qkv, gate_up, inv_freq)
+        return self._fused
 
     def _fused_layer(
         self,
@@ -721,26 +736,48 @@ def _quantized(name: str, w, qtype: str | None) -> bool:
             and w.shape[-1] % 32 == 0)  # fmt: skip
 
 
-def _held(name: str, w, qtype: str | None, dtype: torch.dtype):
-    """Weight ``name`` as the head holds it (_quantized), else as it is."""
-    return quantize_q8_0(w, dtype) if _quantized(name, w, qtype) else w
+def _held(name: str, w, qtype: str | None, dtype: torch.dtype, out=None):
+    """Weight ``name`` as the head holds it (_quantized), else as it is; ``out``: the panels
+    to quantize into (quantize_q8_0)."""
+    return quantize_q8_0(w, dtype, out=out) if _quantized(name, w, qtype) else w
+
+
+def _placed_stacked(weights: dict, names: list[str], device: torch.device, dtype: torch.dtype,
+                    quantize: str | None) -> tuple[list | None, QuantWeight | None]:  # fmt: skip
+    """A fused group's matrices (q/k/v or gate/up) quantized straight into the rows of one
+    stacked QuantWeight: (the parts, as views of its rows; the stacked matrix), or (None,
+    None) where the group is not quantized into whole 16-row panels on the CPU (then _placed
+    holds each, and _fused_weights stacks them at first use). Stacking at first use held the
+    parts beside their copy: SmolLM2's head added 2.8 MB to the first answer's peak."""
+    shapes = [tuple(weights[n].shape) for n in names]
+    if quantize is None or device.type != "cpu" or any(r % 16 for r, _ in shapes) or \
+            not all(_quantized(n, weights[n], quantize) for n in names):  # fmt: skip
+        return None, None
+    rows = sum(r for r, _ in shapes)
+    packed = torch.empty(q8_0_panels(rows, shapes[0][1]), dtype=torch.uint8)
+    views, row = [], 0
+    for name, (r, _) in zip(names, shapes, strict=True):
+        views.append(_placed(weights, name, device, dtype, quantize,
+                             packed[row // 16 : (row + r) // 16]))  # fmt: skip
+        row += r
+    return views, QuantWeight(views[0].qtype, (rows, shapes[0][1]), packed, views[0].dtype)
 
 
 def _placed(weights: dict, name: str, device: torch.device, dtype: torch.dtype,
-            quantize: str | None):  # fmt: skip
+            quantize: str | None, out: torch.Tensor | None = None):  # fmt: skip
     """weights[name] on ``device`` in ``dtype``, held as ``quantize`` says (_held). A
     LazyTensor's file is mapped only while it is read; a matrix quantized on the CPU is read
     and quantized a chunk of rows at a time (quant.quantize_q8_0: SmolLM2's lm_head, 9.4 MB in
-    bf16, is never held whole)."""
+    bf16, is never held whole); ``out``: the panels it is quantized into (_placed_stacked)."""
     w = weights[name]
     lazy = isinstance(weights, LazyWeights)
     if lazy and device.type == "cpu" and _quantized(name, w, quantize):
-        held = quantize_q8_0(w, dtype, cast=dtype)
+        held = quantize_q8_0(w, dtype, cast=dtype, out=out)
         # The chunks' freed memory back to the OS at once: glibc keeps what a matrix's chunks
         # freed, and over the head's eight matrices that added ~25 MB to the load's peak
         trim_heap()
     else:
-        held = _held(name, tensor_part(w).to(device, dtype), quantize, dtype)
+        held = _held(name, tensor_part(w).to(device, dtype), quantize, dtype, out)
     if lazy:
         weights.close()  # the file's mapping, and the pages this read touched, go with it
     return held

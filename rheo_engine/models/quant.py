@@ -178,16 +178,17 @@ def _pack(qtype: str, raw: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
-                  cast: torch.dtype | None = None) -> QuantWeight:  # fmt: skip
+def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16, cast: torch.dtype | None = None,
+                  out: torch.Tensor | None = None) -> QuantWeight:  # fmt: skip
     """A float W [out, in] (in % 32 == 0) as Q8_0, by llama.cpp's quantize_row_q8_0_ref:
     d = amax / 127 per block, q = round(w / d) (ties away from zero: roundf), d stored as fp16.
 
     ``w``: a tensor, or a LazyTensor of a safetensors file (io.weights), read rows a chunk at
     a time, so a matrix is never held whole in float; ``cast``: each chunk rounded to that
     dtype first, as the float matrix placed in it would be. Held on ``w``'s device (a
-    LazyTensor's: the CPU)."""
-    out, in_ = w.shape
+    LazyTensor's: the CPU); ``out``: the panels to write, q8_0_panels(*w.shape) of the
+    CPU (rows of a stacked matrix: Eagle3Head's fused groups), then held there."""
+    packed, (out, in_) = out, w.shape
     if in_ % _BLOCK:
         raise ValueError(f"--quantize q8_0 needs in % 32 == 0, got a weight of shape {[out, in_]}")
     # Rows a chunk at a time, each packed into its panels at once (a chunk is whole panels, and
@@ -197,7 +198,9 @@ def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
     # A chunk is at most _CHUNK_ELEMENTS weights: its ~10 float32 temporaries of 256 rows of a
     # 1728-wide matrix added ~17 MB to the SmolLM2 head's load peak.
     step = max(_PANEL, _CHUNK_ELEMENTS // in_ // _PANEL * _PANEL)
-    packed = None
+    if packed is not None and tuple(packed.shape) != q8_0_panels(out, in_):
+        raise ValueError(f"out must be panels {list(q8_0_panels(out, in_))} for a weight of "
+                         f"shape {[out, in_]}, got {list(packed.shape)}")  # fmt: skip
     for r in range(0, out, step):
         rows = w.narrow(0, r, min(step, out - r))
         close = getattr(getattr(w, "owner", None), "close", None)
@@ -205,10 +208,14 @@ def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16,
             close()
         part = _pack("q8_0", _q8_0_blocks(rows if cast is None else rows.to(dtype=cast)))
         if packed is None:
-            P = (out + _PANEL - 1) // _PANEL
-            packed = torch.empty((P, *part.shape[1:]), dtype=torch.uint8, device=part.device)
+            packed = torch.empty(q8_0_panels(out, in_), dtype=torch.uint8, device=part.device)
         packed[r // _PANEL : r // _PANEL + len(part)] = part
     return QuantWeight("q8_0", (out, in_), packed.to(getattr(w, "device", "cpu")), dtype)
+
+
+def q8_0_panels(out: int, in_: int) -> tuple[int, int, int]:
+    """The shape of a Q8_0 W [out, in]'s packed panels (_pack): [ceil(out/16), in/32, 16 x 34]."""
+    return ((out + _PANEL - 1) // _PANEL, in_ // _BLOCK, _PANEL * (2 + _BLOCK))
 
 
 _CHUNK_ELEMENTS = 1 << 16  # weights a chunk of quantize_q8_0 (whole panels of rows)
