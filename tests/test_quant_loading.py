@@ -365,3 +365,29 @@ def test_the_head_holds_q_k_v_and_gate_up_once(how):
             assert isinstance(t, QuantWeight) == q8
             assert (t.packed if q8 else t).untyped_storage().data_ptr() == base, name
     assert head._fused_weights()[0] is qkv  # kept: the views' versions are the key's
+
+
+def test_a_head_read_for_q8_0_holds_nothing_of_its_file(tmp_path):
+    """Eagle3Head.from_pretrained(quantize="q8_0") (the engine's load beside a quantized target)
+    keeps no view of the file's mapping: a file written over in place (cp onto it: a new export
+    to the same folder) changes nothing in a loaded head. Its norms were views of the mapping
+    until they were copied (a run then drafted with the new file's norms and the old matrices)."""
+    import shutil
+
+    from rheo_engine.io.weights import load_safetensors, save_safetensors
+    from rheo_engine.models.eagle3 import Eagle3Head
+    from rheo_engine.models.quant import QuantWeight
+    from rheo_engine.runtime.engine import DEFAULT_PAIR
+
+    target = LlamaModel.from_pretrained(DEFAULT_PAIR / "target")
+    folder = tmp_path / "head"
+    shutil.copytree(DEFAULT_PAIR / "draft", folder)
+    head = Eagle3Head.from_pretrained(folder, target, quantize="q8_0")
+    held = {k: (v.packed if isinstance(v, QuantWeight) else v).clone() for k, v in head.w.items()}
+    other = {k: t.clone() + 1 for k, t in load_safetensors(folder).items()}
+    save_safetensors(other, tmp_path / "other.safetensors")
+    with open(tmp_path / "other.safetensors", "rb") as src, \
+            open(folder / "model.safetensors", "r+b") as dst:  # the same inode, rewritten
+        dst.write(src.read())
+    for k, v in head.w.items():
+        assert torch.equal(v.packed if isinstance(v, QuantWeight) else v, held[k]), k

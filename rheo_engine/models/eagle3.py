@@ -777,7 +777,13 @@ def _placed(weights: dict, name: str, device: torch.device, dtype: torch.dtype,
         # freed, and over the head's eight matrices that added ~25 MB to the load's peak
         trim_heap()
     else:
-        held = _held(name, tensor_part(w).to(device, dtype), quantize, dtype, out)
+        read = tensor_part(w)
+        held = _held(name, read.to(device, dtype), quantize, dtype, out)
+        if lazy and isinstance(held, torch.Tensor) and held.data_ptr() == read.data_ptr():
+            # Read as it is (a norm in the file's dtype): a view of the file's mapping, which
+            # a copy written over the file in place would change under the running engine
+            # (or, truncated, fault). A copy of its own, as quantize() holds the rest.
+            held = held.clone()
     if lazy:
         weights.close()  # the file's mapping, and the pages this read touched, go with it
     return held
