@@ -291,11 +291,11 @@ def test_quantize_q8_0_by_row_chunks_gives_the_whole_matrix_bytes(monkeypatch):
     # Into given panels (a stacked matrix's rows): the same bytes, held there; a wrong shape
     # is refused, naming the shape it needs.
     rows = torch.zeros(quant.q8_0_panels(600, 96), dtype=torch.uint8)  # 38 panels: 37.5 used
-    into = quant.quantize_q8_0(w, out=rows)
+    into = quant.quantize_q8_0(w, panels=rows)
     assert torch.equal(into.packed, chunked.packed)
     assert into.packed.data_ptr() == rows.data_ptr()
-    with pytest.raises(ValueError, match=r"out must be panels \[38, 3, 544\]"):
-        quant.quantize_q8_0(w, out=rows[:37])
+    with pytest.raises(ValueError, match=r"panels must be \[38, 3, 544\]"):
+        quant.quantize_q8_0(w, panels=rows[:37])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -336,7 +336,7 @@ def test_a_head_quantized_as_it_is_read_holds_the_same_bytes(dtype, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["float", "quantized after", "quantized as read"])
-def test_the_head_holds_q_k_v_and_gate_up_once(how):
+def test_the_head_holds_q_k_v_and_gate_up_once(how, monkeypatch):
     """After a level stacked q/k/v and gate/up (Eagle3Head._fused_weights), each part is a view
     of its stacked matrix, so the head does not hold them twice; a level gives the same bits.
     Quantized as read (the engine's load), each part is quantized straight into its rows of the
@@ -345,10 +345,17 @@ def test_the_head_holds_q_k_v_and_gate_up_once(how):
     from rheo_engine.models.quant import QuantWeight
     from rheo_engine.runtime.engine import DEFAULT_PAIR
 
+    from rheo_engine.models import eagle3
+
     target = LlamaModel.from_pretrained(DEFAULT_PAIR / "target")
     q8 = how != "float"
+    calls, quantize = [], eagle3.quantize_q8_0
+    monkeypatch.setattr(eagle3, "quantize_q8_0", lambda *a, **k: (calls.append(1),
+                                                                 quantize(*a, **k))[1])
     head = Eagle3Head.from_pretrained(DEFAULT_PAIR / "draft", target,
                                       quantize="q8_0" if how == "quantized as read" else None)
+    if how == "quantized as read":  # each matrix quantized once, a group's parts included
+        assert len(calls) == sum(isinstance(head.w[n], QuantWeight) for n in head.MATRICES)
     if how == "quantized after":
         head.quantize("q8_0")
     kept = getattr(head, "_fused", None)

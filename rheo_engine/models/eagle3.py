@@ -381,10 +381,12 @@ class Eagle3Head:
         dtype = target.dtype if dtype is None else dtype
         groups = [[f"midlayer.{k}.weight" for k in part] for part in _FUSED_GROUPS]
         stacked = [_placed_stacked(weights, g, device, dtype, quantize) for g in groups]
-        placed = {k: _placed(weights, k, device, dtype, quantize) for k in REQUIRED_KEYS
-                  if not any(k in views for views, _ in stacked if views)}  # fmt: skip
+        placed = {}
         for group, (views, _) in zip(groups, stacked, strict=True):
             placed.update(zip(group, views or ()))
+        for k in REQUIRED_KEYS:  # the rest, each as it is read (a group's parts are placed)
+            if k not in placed:
+                placed[k] = _placed(weights, k, device, dtype, quantize)
         maybe_ids = None if to_target is None else to_target.to(device)
         # The target's quantized table stays one (moved, not dequantized: a float copy of
         # SmolLM2's would be 54 MB in bf16 against its 29 MB in Q8_0)
@@ -738,8 +740,8 @@ def _quantized(name: str, w, qtype: str | None) -> bool:
 
 def _held(name: str, w, qtype: str | None, dtype: torch.dtype, out=None):
     """Weight ``name`` as the head holds it (_quantized), else as it is; ``out``: the panels
-    to quantize into (quantize_q8_0)."""
-    return quantize_q8_0(w, dtype, out=out) if _quantized(name, w, qtype) else w
+    to quantize into (quantize_q8_0's ``panels``)."""
+    return quantize_q8_0(w, dtype, panels=out) if _quantized(name, w, qtype) else w
 
 
 def _placed_stacked(weights: dict, names: list[str], device: torch.device, dtype: torch.dtype,
@@ -772,7 +774,7 @@ def _placed(weights: dict, name: str, device: torch.device, dtype: torch.dtype,
     w = weights[name]
     lazy = isinstance(weights, LazyWeights)
     if lazy and device.type == "cpu" and _quantized(name, w, quantize):
-        held = quantize_q8_0(w, dtype, cast=dtype, out=out)
+        held = quantize_q8_0(w, dtype, cast=dtype, panels=out)
         # The chunks' freed memory back to the OS at once: glibc keeps what a matrix's chunks
         # freed, and over the head's eight matrices that added ~25 MB to the load's peak
         trim_heap()

@@ -179,16 +179,16 @@ def _pack(qtype: str, raw: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16, cast: torch.dtype | None = None,
-                  out: torch.Tensor | None = None) -> QuantWeight:  # fmt: skip
+                  panels: torch.Tensor | None = None) -> QuantWeight:  # fmt: skip
     """A float W [out, in] (in % 32 == 0) as Q8_0, by llama.cpp's quantize_row_q8_0_ref:
     d = amax / 127 per block, q = round(w / d) (ties away from zero: roundf), d stored as fp16.
 
     ``w``: a tensor, or a LazyTensor of a safetensors file (io.weights), read rows a chunk at
     a time, so a matrix is never held whole in float; ``cast``: each chunk rounded to that
     dtype first, as the float matrix placed in it would be. Held on ``w``'s device (a
-    LazyTensor's: the CPU); ``out``: the panels to write, q8_0_panels(*w.shape) of the
-    CPU (rows of a stacked matrix: Eagle3Head's fused groups), then held there."""
-    packed, (out, in_) = out, w.shape
+    LazyTensor's: the CPU); ``panels``: where to write the packed panels, q8_0_panels(*w.shape)
+    on the CPU (rows of a stacked matrix: Eagle3Head's fused groups), then held there."""
+    packed, (out, in_) = panels, w.shape
     if in_ % _BLOCK:
         raise ValueError(f"--quantize q8_0 needs in % 32 == 0, got a weight of shape {[out, in_]}")
     # Rows a chunk at a time, each packed into its panels at once (a chunk is whole panels, and
@@ -199,7 +199,7 @@ def quantize_q8_0(w, dtype: torch.dtype = torch.bfloat16, cast: torch.dtype | No
     # 1728-wide matrix added ~17 MB to the SmolLM2 head's load peak.
     step = max(_PANEL, _CHUNK_ELEMENTS // in_ // _PANEL * _PANEL)
     if packed is not None and tuple(packed.shape) != q8_0_panels(out, in_):
-        raise ValueError(f"out must be panels {list(q8_0_panels(out, in_))} for a weight of "
+        raise ValueError(f"panels must be {list(q8_0_panels(out, in_))} for a weight of "
                          f"shape {[out, in_]}, got {list(packed.shape)}")  # fmt: skip
     for r in range(0, out, step):
         rows = w.narrow(0, r, min(step, out - r))
