@@ -705,11 +705,13 @@ def test_no_tree_pays_only_where_choose_nodes_takes_a_plain_step():
 
 def test_skipping_hopeless_tries_changes_no_step(target_only, monkeypatch):
     """The decoder skips building the trie where no tree can pay: the same tokens, steps and
-    trees as building it every step (costs pinned by a profile, so no timing moves them)."""
+    trees as building it every step (costs pinned by a profile, so no timing moves them; no
+    quiet stretches, which sample the evidence: the next test)."""
     import rheo_engine.runtime.decoder as decoder_module
     from rheo_engine.runtime.lookup_policy import no_tree_pays
     from rheo_engine.runtime.tree_policy import CostProfile
 
+    monkeypatch.setattr(decoder_module, "QUIET_STEPS", 1)
     profile = CostProfile("toy", {1: 1.0, 4: 1.15, 16: 1.8}, 0.0, {4: 0.1}, {1: 0.05, 16: 0.1})
     fired = []
 
@@ -729,3 +731,64 @@ def test_skipping_hopeless_tries_changes_no_step(target_only, monkeypatch):
         assert with_gate.accepted == without.accepted
     assert any(fired) and not all(fired), "the skip never (or always) fired: a weak test"
     assert sum(g.accepted.get("lookup", 0) for g in runs[0]) > 0, "no lookup tree drafted"
+
+
+# --- 7. quiet stretches: plain steps with no lookup work -------------------------------------
+
+
+def test_repeats_is_a_match_of_the_longest_length():
+    index = LookupIndex([5, 6, 7, 8, 5, 6])
+    assert not index.repeats()  # (8, 5, 6) never occurred before
+    index.extend([7])
+    assert index.repeats() and index.matches(4, 4)[0] == (3, [8, 5, 6, 7])
+    index.extend([9])
+    assert not index.repeats() and all(n < 3 for n, _ in index.matches(4, 4))
+    assert not LookupIndex([1, 1]).repeats() and LookupIndex([1, 1, 1, 1]).repeats()
+
+
+def test_quiet_stretches_skip_the_lookup_work_and_wake_on_a_repeat(target_only, monkeypatch):
+    """Where no tree of matches shorter than MAX_N can pay, the next QUIET_STEPS - 1 plain steps
+    build no trie and add no evidence, unless the context's last MAX_N tokens occurred before:
+    then the step plans as ever. Costs pinned (no timing moves the choices); T = 1, where the
+    rates fall; the same request with stretches off (QUIET_STEPS = 1) plans every step."""
+    import rheo_engine.runtime.decoder as decoder_module
+    from rheo_engine.runtime.tree_policy import CostProfile
+
+    profile = CostProfile("toy", {1: 1.0, 4: 2.2, 16: 6.0}, 0.0, {4: 0.1}, {1: 0.05, 16: 0.1})
+    observe = decoder_module.BatchDecoder._observe_lookup
+    plan = decoder_module.BatchDecoder._plan_lookup
+    steps: list[tuple[bool, bool, int]] = []  # per step: quiet, repeats, evidence events
+
+    def planned(self, seqs, room, wanted):
+        s = seqs[0]
+        repeats = s.lookup.repeats()
+        parts = plan(self, seqs, room, wanted)
+        steps.append((s.cands is decoder_module.QUIET, repeats, 0))
+        return parts
+
+    def observed(self, s, dt, row, cfg, lookup):
+        before = sum(s.lookup_stats.tried.values())
+        out = observe(self, s, dt, row, cfg, lookup)
+        quiet, repeats, _ = steps[-1]
+        steps[-1] = (quiet, repeats, sum(s.lookup_stats.tried.values()) != before)
+        return out
+
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_plan_lookup", planned)
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_observe_lookup", observed)
+    runs = {}
+    for quiet_steps in (4, 1):
+        monkeypatch.setattr(decoder_module, "QUIET_STEPS", quiet_steps)
+        steps.clear()
+        gens = [target_only.generate(CODE + " " * k, 96, temperature=1.0, seed=20 + k,
+                                     cost_profile=profile) for k in range(3)]  # fmt: skip
+        runs[quiet_steps] = (list(steps), gens)
+    quiet_run, gens = runs[4]
+    quiet = [st for st in quiet_run if st[0]]
+    assert len(quiet) > len(quiet_run) // 8, "few quiet steps: a weak test"
+    assert not any(st[1] for st in quiet), "a quiet step with a longest-length match"
+    assert not any(st[2] for st in quiet), "a quiet step added evidence"
+    woken = [st for st in quiet_run if not st[0] and st[1]]
+    assert woken, "no step planned on a repeat: a weak test"
+    assert sum(g.accepted.get("lookup", 0) for g in gens) > 0, "no lookup tree accepted"
+    assert all(len(g.token_ids) == 96 for g in gens)
+    assert not any(st[0] for st in runs[1][0]), "QUIET_STEPS = 1 still had quiet steps"

@@ -77,6 +77,7 @@ from rheo_engine.runtime.tree_policy import (
 from rheo_engine.spec import kernels
 from rheo_engine.spec.draft import DraftTree, cloned, draft_tree, pool_kind, root_only_tree
 from rheo_engine.spec.lookup import (
+    MAX_N,
     Candidates,
     LookupIndex,
     LookupStats,
@@ -144,6 +145,8 @@ class SeqState:
     lookup_stats: LookupStats | None = None
     lookup_cal: Calibration | None = None  # its auto-chosen lookup trees against their promise
     cands: Candidates | None = None
+    # Plain steps left in a quiet stretch of prompt lookup (_plan_lookup): no trie, no evidence
+    lookup_rest: int = 0
     # drafts "both": this step's head tree (what the tree policy chose and observes), and the
     # tokens the head's part of a tree yields a step (decayed mean; lookup's nodes must beat it).
     head_cfg: TreeConfig | None = None
@@ -155,6 +158,14 @@ class SeqState:
     # one-time cost like the prefill, run early when the auto tree measures on this slot, so
     # counting them would make a seeded run's trees depend on whether a profile was kept.
     queued: int = 0
+
+
+# Prompt lookup's quiet stretch (_plan_lookup, docs/lookup.md §6): the steps a stretch spans
+# (one of them plans and gathers evidence; 1: no stretches), the match lengths it rules out,
+# and the empty trie its other steps carry (_observe_lookup then adds no evidence).
+QUIET_STEPS = 4
+SHORT_MATCHES = frozenset(range(1, MAX_N))
+QUIET = Candidates([], [], [], [], [])
 
 
 def _outcome_row(outcome: Outcome, b: int) -> Outcome:
@@ -551,15 +562,30 @@ class BatchDecoder:
                                                             or s.local.costs is not costs):
                 s.local = LocalCosts(costs)
             local = s.local if costs is not None and not costs.pinned else costs
+            if s.lookup_rest > 0 and not s.lookup.repeats():
+                # A quiet stretch (below): plain, no trie, no evidence; the index still grows
+                s.lookup_rest -= 1
+                s.cands = QUIET
+                plain.append(s)
+                continue
+            s.lookup_rest = 0
             matches = s.lookup.matches(cfg.depth, cfg.topk)
+            lengths = {n for n, _ in matches}
             if local is not None and no_tree_pays(s.lookup_stats, local, room(s), wanted(s),
-                                                  cfg.total_tokens, cfg.depth,
-                                                  {n for n, _ in matches},
+                                                  cfg.total_tokens, cfg.depth, lengths,
                                                   s.lookup_cal.factor):  # fmt: skip
                 # No tree could pay (lookup_policy.no_tree_pays): the trie's first depth only,
                 # which is all a plain step's shadow evidence reads (_observe_lookup)
                 s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, 1, matches)
                 plain.append(s)
+                if QUIET_STEPS > 1 and self.tp is None and (
+                        SHORT_MATCHES <= lengths or no_tree_pays(
+                            s.lookup_stats, local, room(s), wanted(s), cfg.total_tokens,
+                            cfg.depth, SHORT_MATCHES, s.lookup_cal.factor)):  # fmt: skip
+                    # Nor could a tree of any match shorter than MAX_N: a quiet stretch. The
+                    # next QUIET_STEPS - 1 steps are plain with no trie and no shadow evidence,
+                    # unless the context's last MAX_N tokens occurred before (docs/lookup.md §6)
+                    s.lookup_rest = QUIET_STEPS - 1
                 continue
             s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, None, matches)
             n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens,
@@ -802,9 +828,12 @@ class BatchDecoder:
         emitted = row.emitted[0]
         s.lookup.extend(emitted)
         cands, s.cands = s.cands, None
+        if cands is QUIET:  # a quiet stretch's step (_plan_lookup): no evidence
+            return row
         if cfg.method == "ar":  # what the lookup drafts would have done (shadow_events)
             s.lookup_stats.observe(shadow_events(cands, emitted))
             return row
+        s.lookup_rest = 0  # a tree's evidence: the next plain step plans again
         n, path = row.accept_len[0], row.accept_path[0]
         accepted = s.request.accepted
         source = {"alone": "lookup", "": "head"}.get(lookup)

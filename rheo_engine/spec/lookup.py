@@ -55,6 +55,12 @@ class LookupIndex:
                 where.append(i)
             seq.append(int(t))
 
+    def repeats(self) -> bool:
+        """Whether the context's last ``max_n`` tokens occurred before (a match of the
+        longest length); one lookup."""
+        seq, n = self.tokens, self.max_n
+        return len(seq) >= n and tuple(seq[-n:]) in self.table
+
     def matches(self, max_depth: int, branches: int) -> list[tuple[int, list[int]]]:
         """Up to ``branches`` distinct continuations (match length n, up to ``max_depth``
         tokens) of the context's last n tokens: the longest n first, then its latest
