@@ -257,6 +257,12 @@ def test_wrong_magic_truncation_and_oversized_counts(files, tmp_path):
     for field in (8, 16):  # the tensor count, then the metadata count
         huge = data[:field] + struct.pack("<Q", 2**62) + data[field + 8 :]
         assert "more than its" in _one_line_error(_write_bytes(tmp_path / f"n{field}.gguf", huge))
+    # a metadata array's item count (the vocabulary's), refused before anything is sized by it
+    at = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4
+    for count in (2**40, 2**63):
+        huge = data[:at] + struct.pack("<Q", count) + data[at + 8 :]
+        assert f"claims {count} items, more than the file holds" in _one_line_error(
+            _write_bytes(tmp_path / f"a{count}.gguf", huge))  # fmt: skip
 
 
 def test_wrong_architecture_missing_key_unsupported_type(weights, tmp_path):
@@ -401,21 +407,33 @@ def test_the_tokenizer_is_built_before_the_tensors_as_after(files, monkeypatch):
 
 def test_the_lean_reader_reads_what_ggufs_reader_reads(files):
     """io/gguf reads files through a gguf.GGUFReader whose views are plain arrays (a view per
-    vocabulary string as a memmap cost ~150 MB): every field's parts, every tensor's bytes equal
-    the library's own reader's, so a gguf release that changes its parsing fails here."""
+    vocabulary string as a memmap cost ~150 MB) and whose metadata arrays are one view each
+    (a view per item held ~70 MB of Python objects): every field's contents (whole and item by
+    item), every scalar field's parts and every tensor's bytes equal the library's own
+    reader's, so a gguf release that changes its parsing fails here."""
     import gguf
 
     from rheo_engine.io.gguf import _reader_class
 
+    arrays = 0
     for path in files.values():
         ours, theirs = _reader_class()(path, "r"), gguf.GGUFReader(path, "r")
         assert list(ours.fields) == list(theirs.fields)
         for name, field in theirs.fields.items():
             mine = ours.fields[name]
-            assert mine.data == field.data and mine.types == field.types, name
-            assert len(mine.parts) == len(field.parts), name
+            assert mine.types == field.types and mine.offset == field.offset, name
+            assert mine.contents() == field.contents(), name
+            if field.types[0] == gguf.GGUFValueType.ARRAY:
+                arrays += 1
+                n = len(field.data)
+                assert int(mine.parts[4][0]) == n, name
+                for i in sorted({0, n // 2, n - 1}) if n else []:
+                    assert mine.contents(i) == field.contents(i), (name, i)
+                continue
+            assert mine.data == field.data and len(mine.parts) == len(field.parts), name
             for a, b in zip(mine.parts, field.parts, strict=True):
                 assert type(a) is np.ndarray and a.dtype == b.dtype and np.array_equal(a, b), name
         assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
         for a, b in zip(ours.tensors, theirs.tensors, strict=True):
             assert a.data_offset == b.data_offset and np.array_equal(a.data, b.data), a.name
+    assert arrays >= 3, "no metadata arrays compared: a weak test"

@@ -222,12 +222,39 @@ def _header(path: str | Path):
 
 @functools.cache
 def _reader_class():
-    """gguf.GGUFReader whose views of the file are plain numpy arrays. The reader builds a view
-    per string and per element of every metadata array (~250k for a 49k vocabulary); as views
-    of its np.memmap each carried the memmap's attributes, ~150 MB and 2 s for SmolLM2's file,
-    against ~70 MB and 0.7 s as plain arrays (the same bytes: the same mapping underneath;
-    tests/test_gguf.py compares every field with the library's own reader)."""
+    """gguf.GGUFReader whose views of the file are plain numpy arrays, and whose metadata arrays
+    are one view each (``_ArrayField``). The library builds a view per string and per element of
+    every metadata array (~250k for a 49k vocabulary): as views of its np.memmap each carried
+    the memmap's attributes (~150 MB and 2 s for SmolLM2's file); as plain arrays they still
+    took ~70 MB of Python objects for a moment, and the few objects made after them (the
+    tensors' descriptions, the last fields) kept ~14 of those 1 MB arenas of Python's allocator
+    from going back to the OS: +12 MB of the engine's resident memory for good. Scalars and
+    strings are parsed as the library parses them; tests/test_gguf.py compares every field's
+    contents and every tensor with the library's own reader."""
     import gguf
+    from gguf.gguf_reader import ReaderField
+
+    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+    u64 = struct.Struct("<Q")
+
+    class _ArrayField(ReaderField):
+        """A metadata array as one view of its bytes: ``parts`` = [key length, key, value
+        type, item type, count, items], ``data`` = [5]; for strings the items are the raw
+        bytes and ``bounds`` [count + 1] int64 their (8-byte length, text) records' offsets."""
+
+        bounds: np.ndarray | None = None
+
+        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+            items = self.parts[5]
+            if self.types[-1] != string:
+                picked = items[index_or_slice]
+                return picked.tolist() if isinstance(index_or_slice, slice) else picked.item()
+            if isinstance(index_or_slice, int):
+                a, b = self.bounds[index_or_slice : index_or_slice + 2].tolist()
+                return str(items[a + 8 : b].tobytes(), encoding="utf-8")
+            raw, bounds = items.tobytes(), self.bounds.tolist()
+            texts = [str(raw[a + 8 : b], encoding="utf-8") for a, b in zip(bounds, bounds[1:])]
+            return texts[index_or_slice]
 
     class Reader(gguf.GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):  # as gguf's own _get
@@ -239,6 +266,63 @@ def _reader_class():
             arr = plain[offset : offset + itemsize * count].view(dtype=dtype)[:count]
             order = self.byte_order if override_order is None else override_order
             return arr.view(arr.dtype.newbyteorder(order))
+
+        def _build_fields(self, offs: int, count: int) -> int:  # as gguf's, arrays compact
+            for _ in range(count):
+                orig_offs = offs
+                kv_klen, kv_kdata = self._get_str(offs)
+                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+                raw_kv_type = self._get(offs, np.uint32)
+                offs += int(raw_kv_type.nbytes)
+                parts = [kv_klen, kv_kdata, raw_kv_type]
+                name = str(bytes(kv_kdata), encoding="utf-8")
+                if raw_kv_type[0] == array:
+                    field, offs = self._array_field(orig_offs, name, parts, offs)
+                    self._push_field(field, skip_sum=True)
+                    continue
+                size, field_parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+                self._push_field(ReaderField(orig_offs, name, parts + field_parts,
+                                             [i + len(parts) for i in idxs], types),
+                                 skip_sum=True)  # fmt: skip
+                offs += size
+            return offs
+
+        def _array_field(self, orig_offs: int, name: str, parts: list, offs: int):
+            item_type = self._get(offs, np.uint32)
+            count = self._get(offs + 4, np.uint64)
+            offs += 12
+            if len(count) < 1 or len(item_type) < 1:
+                raise ValueError(f"metadata {name!r} runs past the end of the file")
+            n, kind = int(count[0]), gguf.GGUFValueType(int(item_type[0]))
+            plain, end = self._plain, len(self._plain)
+            nptype = self.gguf_scalar_to_np.get(kind)
+            least = 8 if kind == string else np.dtype(nptype or np.uint8).itemsize
+            if n * least > end - offs:  # before anything is sized by n
+                raise ValueError(f"metadata {name!r} claims {n} items, more than the file holds")
+            bounds = None
+            if kind == string:  # each item: an 8-byte length, then its bytes
+                bounds = np.empty(n + 1, dtype=np.int64)
+                at = offs
+                for i in range(n):
+                    bounds[i] = at - offs
+                    if at + 8 > end:
+                        raise ValueError(f"metadata {name!r} runs past the end of the file")
+                    at += 8 + u64.unpack_from(plain, at)[0]
+                if at > end:
+                    raise ValueError(f"metadata {name!r} runs past the end of the file")
+                bounds[n] = at - offs
+                items = self._get(offs, np.uint8, at - offs)
+            else:
+                if nptype is None:  # nested arrays: no llama metadata holds one
+                    raise ValueError(f"metadata {name!r} is an array of {kind.name}, which this "
+                                     "reader does not read")  # fmt: skip
+                items = self._get(offs, nptype, n)
+                if len(items) != n:
+                    raise ValueError(f"metadata {name!r} runs past the end of the file")
+            field = _ArrayField(orig_offs, name, parts + [item_type, count, items], [5],
+                                [array, kind])  # fmt: skip
+            field.bounds = bounds
+            return field, offs + int(items.nbytes)
 
     return Reader
 
@@ -317,6 +401,17 @@ class _Metadata:
                 f"{type(value).__name__} {_short(ValueError(repr(value)))}; the file is corrupt"
             )
         return float(value) if kind is float else value
+
+    def length(self, key: str) -> int:
+        """The number of items of a required array, none of them read."""
+        field = self.fields.get(key)
+        if field is None:
+            self.get(key, list)  # raises: the key is missing
+        import gguf
+
+        if field.types[0] != gguf.GGUFValueType.ARRAY:
+            self.get(key, list)  # raises: not an array
+        return int(field.parts[4][0])  # [key length, key, type, item type, count, ...]
 
     def count(self, key: str, low: int = 1, default: Any = _REQUIRED) -> int:
         value = self.get(key, int, default)
@@ -500,18 +595,23 @@ def permute_for_gguf(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tokenizer(meta: _Metadata, path: Path) -> tuple:
-    """(tokenizer.json, tokenizer_config, generation_config, vocab size, BOS id, EOS ids)."""
+    """(tokenizer.json, tokenizer_config, generation_config, vocab size, BOS id, EOS ids).
+
+    What outlives the parse (the ids, the small dicts, the special tokens' names) is made
+    before the vocabulary's strings are read (_tokenizer_json): made among those ~100k
+    short-lived objects, each of a few small survivors kept the 1 MB arena of Python's
+    allocator it landed in from going back to the OS."""
+    import tokenizers  # noqa: F401  (its modules, made once, before the vocabulary too)
+
     model = meta.get("tokenizer.ggml.model", str)
-    tokens = meta.get("tokenizer.ggml.tokens", list)
-    if not tokens or not all(isinstance(t, str) for t in tokens):
-        raise ValueError(f"{path}: tokenizer.ggml.tokens must be a non-empty list of strings")
-    V = len(tokens)
-    types = meta.get("tokenizer.ggml.token_type", list, [1] * V)
-    if len(types) != V:
+    if model not in ("gpt2", "llama"):
         raise ValueError(
-            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
-            f"{V} tokens; the file is corrupt"
+            f"{path}: tokenizer.ggml.model {model!r} is not supported ('gpt2' byte-level BPE and "
+            "'llama' SentencePiece are)"
         )
+    V = meta.length("tokenizer.ggml.tokens")
+    if V == 0:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens must be a non-empty list of strings")
 
     def token_id(key: str, default: Any = _REQUIRED) -> int | None:
         i = meta.get(key, int, default)
@@ -529,22 +629,11 @@ def _tokenizer(meta: _Metadata, path: Path) -> tuple:
         token_id(k, None) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ]
     eos_ids = list(dict.fromkeys([eos] + [i for i in extra_eos if i is not None]))
-    if model == "gpt2":
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, False)
-        backend = _byte_level_bpe(meta, path, tokens)
-    elif model == "llama":
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, True)
-        backend = _sentencepiece_bpe(meta, path, tokens, types, unk)
-    else:
-        raise ValueError(
-            f"{path}: tokenizer.ggml.model {model!r} is not supported ('gpt2' byte-level BPE and "
-            "'llama' SentencePiece are)"
-        )
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, model == "llama")
     add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
-    _add_special(backend, tokens, types, bos, eos_ids, unk, pad)
-    _post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
-    names = {"bos_token": tokens[bos], "eos_token": tokens[eos]}
-    names |= {k: tokens[i] for k, i in (("unk_token", unk), ("pad_token", pad)) if i is not None}
+    name = meta.fields["tokenizer.ggml.tokens"].contents  # one string decoded
+    names = {"bos_token": name(bos), "eos_token": name(eos)}
+    names |= {k: name(i) for k, i in (("unk_token", unk), ("pad_token", pad)) if i is not None}
     config = dict(
         names,
         add_bos_token=add_bos,
@@ -555,7 +644,29 @@ def _tokenizer(meta: _Metadata, path: Path) -> tuple:
     if template is not None:
         config["chat_template"] = template
     generation = {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
-    return backend.to_str(), config, generation, V, bos, eos_ids
+    text = _tokenizer_json(meta, path, model, V, bos, eos_ids, unk, pad, add_bos, add_eos)
+    return text, config, generation, V, bos, eos_ids
+
+
+def _tokenizer_json(meta: _Metadata, path: Path, model: str, V: int, bos: int, eos_ids: list,
+                    unk: int | None, pad: int | None, add_bos: bool, add_eos: bool) -> str:  # fmt: skip
+    """The vocabulary's tokenizer.json (_tokenizer's ids given)."""
+    tokens = meta.get("tokenizer.ggml.tokens", list)
+    if len(tokens) != V or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{path}: tokenizer.ggml.tokens must be a non-empty list of strings")
+    types = meta.get("tokenizer.ggml.token_type", list, [1] * V)
+    if len(types) != V:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+            f"{V} tokens; the file is corrupt"
+        )
+    if model == "gpt2":
+        backend = _byte_level_bpe(meta, path, tokens)
+    else:
+        backend = _sentencepiece_bpe(meta, path, tokens, types, unk)
+    _add_special(backend, tokens, types, bos, eos_ids, unk, pad)
+    _post_processor(backend, tokens, bos if add_bos else None, eos_ids[0] if add_eos else None)
+    return backend.to_str()
 
 
 def _byte_level_bpe(meta: _Metadata, path: Path, tokens: list[str]):
