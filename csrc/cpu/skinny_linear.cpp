@@ -173,7 +173,6 @@ RHEO_AVX2 void block_avx2(const Elem* w_block, int64_t in, const float* const* x
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          if (C == 1 && h == 0) cpu::prefetch_ahead(w_block + r * in + k);
           const __m256i v =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_block + r * in + k + 16 * h));
           const __m256 w_odd = _mm256_castsi256_ps(
@@ -192,7 +191,6 @@ RHEO_AVX2 void block_avx2(const Elem* w_block, int64_t in, const float* const* x
         for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x_rows[c] + k + 8 * h);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          if (C == 1 && h == 0) cpu::prefetch_ahead(reinterpret_cast<const float*>(w_block) + r * in + k);
           const __m256 wv = _mm256_loadu_ps(reinterpret_cast<const float*>(w_block) + r * in +
                                             k + 8 * h);
 #pragma GCC unroll 16
@@ -235,7 +233,6 @@ RHEO_AVX512 void block_avx512(const Elem* w_block, int64_t in, const float* cons
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        if constexpr (C == 1) cpu::prefetch_ahead(w_block + r * in + k);
         const __m512i v = _mm512_loadu_si512(w_block + r * in + k);
         const __m512 w_odd = _mm512_castsi512_ps(
             _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
@@ -251,7 +248,6 @@ RHEO_AVX512 void block_avx512(const Elem* w_block, int64_t in, const float* cons
       for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(x_rows[c] + k);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        if constexpr (C == 1) cpu::prefetch_ahead(reinterpret_cast<const float*>(w_block) + r * in + k);
         const __m512 wv = _mm512_loadu_ps(reinterpret_cast<const float*>(w_block) + r * in + k);
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);
@@ -281,7 +277,6 @@ RHEO_AVX512_BF16 void block_bf16_dot(const uint16_t* w_block, int64_t in,
     for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_si512(x_rows[c] + k);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      if constexpr (C == 1) cpu::prefetch_ahead(w_block + r * in + k);
       const __m512i wv = _mm512_loadu_si512(w_block + r * in + k);
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c)
@@ -336,6 +331,11 @@ void sweep(const SkinnyLinearArgs& a) {
     for (int64_t i = 0; i < m; ++i) y_rows[i] = y + (i0 + i) * a.y_stride;
     for (int64_t o0 = a.o_begin; o0 < a.o_end; o0 += R) {
       const bool full = o0 + R <= a.o_end;  // else the last rows of the range, one at a time
+      if (i0 == 0) {  // W's rows come from memory in the first sweep: ask ahead for them
+        const char* block = reinterpret_cast<const char*>(w + o0 * a.in);
+        const int64_t bytes = std::min<int64_t>(R, a.o_end - o0) * a.in * sizeof(Elem);
+        for (int64_t at = 0; at < bytes; at += 64) cpu::prefetch_ahead(block + at);
+      }
       for (int64_t c0 = 0; c0 < m; c0 += C) {
         const int cols = static_cast<int>(std::min<int64_t>(C, m - c0));
         if (full) {
