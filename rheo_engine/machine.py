@@ -9,7 +9,7 @@ bf16/fp32 linear runs one kernel with one summation order, models/linear.py.)
 - ``cache_dir(kind)``: $RHEO_CACHE_DIR/kind, else $XDG_CACHE_HOME/rheo-engine/kind
   (~/.cache/...); ``RHEO_CACHE_DIR=off`` keeps everything in the process only.
 - ``machine_id()``: CPU model, the vector extensions that change which code runs (AVX2,
-  AVX-512, AVX-512-BF16, AMX), and the torch version.
+  AVX-512, AVX-512-BF16, AMX), the torch version and the compiled kernels' build.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ctypes.util
 import functools
 import gc
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -63,7 +64,22 @@ def isa_line() -> str:
 
 
 def machine_id() -> str:
-    return f"{isa_line()} torch {torch.__version__}"
+    return f"{isa_line()} torch {torch.__version__} kernels {kernels_build()}"
+
+
+@functools.lru_cache(maxsize=1)
+def kernels_build() -> str:
+    """The compiled kernels' build (their file's size and time): costs kept for one build are
+    not another's (a kernel change moved the default pair's plain step by 1.3x, within the
+    auto tree's check of a kept profile, so the old profile would have been kept)."""
+    spec = importlib.util.find_spec("rheo_engine._C")
+    if spec is None or not spec.origin:
+        return "none"
+    try:
+        st = os.stat(spec.origin)
+    except OSError:
+        return "none"
+    return f"{st.st_size}-{st.st_mtime_ns}"
 
 
 def kept_file(kind: str, key: str) -> Path | None:

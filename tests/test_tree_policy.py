@@ -929,3 +929,17 @@ def test_rheo_costs_setting_is_checked(tiny, monkeypatch):
     monkeypatch.setenv("RHEO_COSTS", "fast")
     with pytest.raises(ValueError, match=r"RHEO_COSTS='fast' must be 'learn' .* or 'measure'"):
         tiny.generate(PROMPT, 4)
+
+
+def test_kept_costs_are_per_kernels_build(monkeypatch, tmp_path):
+    """A cost kept for one build of the compiled kernels is not read by another (a kernel
+    change moves step costs by less than the check of a kept profile catches)."""
+    from rheo_engine import machine
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path))
+    assert machine.kernels_build() != "none"  # this build's extension file
+    here = machine.kept_file("profiles", "a key")
+    monkeypatch.setattr(machine, "kernels_build", lambda: "another build")
+    there = machine.kept_file("profiles", "a key")
+    assert here is not None and there is not None and here != there
+    assert here.parent == there.parent == tmp_path / "profiles"
