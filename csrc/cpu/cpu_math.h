@@ -290,6 +290,14 @@ RHEO_ALWAYS_INLINE void prefetch_ahead(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3);
 }
 
+// The first kPrefetchBytes of ``bytes`` at p (a matrix's start, which nothing asked ahead for),
+// asked for at once: the lines come in parallel, not one demand miss after another.
+RHEO_ALWAYS_INLINE void prefetch_start(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  const int64_t n = bytes < kPrefetchBytes ? bytes : kPrefetchBytes;
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(at + i, 0, 3);
+}
+
 }  // namespace cpu
 }  // namespace rheo
 

@@ -319,6 +319,7 @@ void sweep(const SkinnyLinearArgs& a) {
   Elem* y = static_cast<Elem*>(a.y);
   std::vector<float> packed;  // [m, in] float32 copy of bf16 x rows (FMA paths)
   const int64_t rows = sweep_rows(a.in, sizeof(XElem));
+  cpu::prefetch_start(w + a.o_begin * a.in, (a.o_end - a.o_begin) * a.in * sizeof(Elem));
   for (int64_t i0 = 0; i0 < a.n; i0 += rows) {
     const int64_t m = std::min(rows, a.n - i0);
     const XElem* x_rows[kMaxSweepRows];  // [m] rows of x, [in] each
