@@ -6,7 +6,8 @@ then times each kernel paired with F.linear (common.Timer.pair: interleaved, L2 
 each call, medians). Prints one markdown row per (matrix, rows): the µs of each, each one's
 speed-up over F.linear, the Q4_1 kernel's t(n)/t(1) and the GB/s of W it read.
 
-``--target`` instead times SmolLM2's target forward (LlamaModel.forward) over n tree rows after a
+``--target`` instead times SmolLM2's target forward (LlamaModel.forward in a KV slot, as the
+engine runs it: its layers in one C++ call) over n tree rows after a
 300-token context and the prefill of that context, the Q4_1 file kept quantized against the same
 file dequantized to bf16 (interleaved, medians): t(n)/t(1) and prefill tokens/s of each.
 
@@ -132,19 +133,13 @@ def kernels_bench(rows: list[int], threads: int) -> None:
                   f"{tq4 / t1:.2f} | {gbs:.1f} |")  # fmt: skip
 
 
-class _Before:
-    """kernels' ``_C`` with quant_linear taken from another build (``--against``)."""
-
-    def __init__(self, new, old) -> None:
-        self._new, self.quant_linear = new, old.quant_linear
-
-    def __getattr__(self, name: str):
-        return getattr(self._new, name)
-
-
 def target_bench(rows: list[int], repeats: int, against: str | None, context: int = 300) -> None:
-    """With ``against``, the Q4_1 model's kernel calls switch between this build ("after") and
-    ``against``'s ("before") around each forward, all interleaved."""
+    """Each model's forward as the engine runs it: in a slot of a KV pool (SlotBatch), so the
+    layers run in one C++ call where they can (LlamaModel._one_call). With ``against``, every
+    kernel the Q4_1 model calls switches between this build ("after") and ``against``'s
+    ("before") around each forward, its one-call layers (built once per build) included, all
+    interleaved. (Until 2026-12-06 this timed the forward on a KVCache, which never takes the
+    one-call path, and swapped quant_linear alone.)"""
     from rheo_engine.runtime.engine import Engine
 
     torch.set_num_threads(1)
@@ -153,28 +148,37 @@ def target_bench(rows: list[int], repeats: int, against: str | None, context: in
     exts = {"Q4_1 kept": kernels._C}
     if against:
         models = {"Q4_1 kept, before": q4, "Q4_1 kept, after": q4}
-        exts = {"Q4_1 kept, before": _Before(kernels._C, load_extension(against)),
+        exts = {"Q4_1 kept, before": load_extension(against),
                 "Q4_1 kept, after": kernels._C}  # fmt: skip
     models["bf16 dequantized"] = Engine.from_pretrained(pair="smollm2", threads=1,
                                                         quantized=False).target  # fmt: skip
     exts["bf16 dequantized"] = kernels._C
     prompt = torch.arange(5, 5 + context)[None] % q4.cfg.vocab_size
-    caches = {k: m.new_cache(context + max(rows) + 1) for k, m in models.items()}
+    caches = {k: m.new_pool(context + max(rows) + 1, 1).batch([0]) for k, m in models.items()}
+    layers: dict[str, object] = {}  # each build's one-call layers
+
+    def use(k: str) -> None:
+        kernels._C = exts[k]
+        models[k].__dict__.pop("_decoder_layers", None)  # built anew by this build's kernels
+        if k in layers:
+            models[k]._decoder_layers = layers[k]
+
     prefill: dict[str, list[float]] = {k: [] for k in models}
     times: dict[tuple[str, int], list[float]] = {}
     with torch.no_grad():
         for i in range(4):  # the prefill, last row's logits only, as the engine runs it
             for k, m in models.items():
-                kernels._C = exts[k]
+                use(k)
                 t0 = time.perf_counter()
                 m.forward(prompt, torch.arange(context)[None], caches[k], last_logits_only=True)
                 if i:
                     prefill[k].append(time.perf_counter() - t0)
+                layers[k] = m.__dict__.get("_decoder_layers")
         for c in caches.values():
             c.advance(context)
         for i in range(repeats + 2):
             for k, m in models.items():
-                kernels._C = exts[k]
+                use(k)
                 for n in rows:  # a chain of n rows (causal mask): the cost of n tree nodes
                     tokens = torch.arange(7, 7 + n)[None]
                     positions = torch.arange(context, context + n)[None]
