@@ -554,14 +554,9 @@ class BatchDecoder:
         with tree="fixed" every candidate up to total_tokens; the sequences with no tree (no
         match, or none that pays) take one plain step together."""
         fixed = seqs[0].group.tree == "fixed"
-        costs = None if fixed else self._lookup_costs(seqs[0])
+        costs = None
         plain, parts = [], []
         for s in seqs:
-            cfg = s.request.tree_cfg
-            if costs is not None and not costs.pinned and (s.local is None
-                                                            or s.local.costs is not costs):
-                s.local = LocalCosts(costs)
-            local = s.local if costs is not None and not costs.pinned else costs
             if s.lookup_rest > 0 and not s.lookup.repeats():
                 # A quiet stretch (below): plain, no trie, no evidence; the index still grows
                 s.lookup_rest -= 1
@@ -569,6 +564,13 @@ class BatchDecoder:
                 plain.append(s)
                 continue
             s.lookup_rest = 0
+            if costs is None and not fixed:  # (a quiet step needs none)
+                costs = self._lookup_costs(seqs[0])
+            cfg = s.request.tree_cfg
+            if costs is not None and not costs.pinned and (s.local is None
+                                                            or s.local.costs is not costs):
+                s.local = LocalCosts(costs)
+            local = s.local if costs is not None and not costs.pinned else costs
             matches = s.lookup.matches(cfg.depth, cfg.topk)
             lengths = {n for n, _ in matches}
             if local is not None and no_tree_pays(s.lookup_stats, local, room(s), wanted(s),
@@ -617,12 +619,12 @@ class BatchDecoder:
                 by_cfg.setdefault(policy.choose(room(s), wanted(s)), []).append(s)
             heads = [(part, cfg) for cfg, part in by_cfg.items()]
         fixed = seqs[0].group.tree == "fixed"
-        costs = None if fixed else self._lookup_costs(seqs[0])
         parts = []
         for part, head in heads:
             if head.method == "ar" or head.total_tokens == 1:
                 parts += self._plan_lookup(part, room, wanted)
                 continue
+            costs = None if fixed else self._lookup_costs(seqs[0])
             base_s = getattr(policy, "predicted_s", None) or (
                 costs.cost(head.total_tokens) if costs else 1.0
             )
