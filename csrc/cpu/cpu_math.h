@@ -277,25 +277,21 @@ RHEO_ALWAYS_INLINE double exp_nonpositive(double d) {
   return poly * scale * 0x1p-512;  // one rounding, also for subnormal results
 }
 
-// Weights a decode step streams from memory once (one x row against a whole matrix): the
+// Weights a decode step streams from memory once (a few x rows against a whole matrix): the
 // hardware prefetcher follows a tile's few row streams only a few lines ahead, so a matrix that
 // a step's other work had evicted (the target's, after sampling, bookkeeping and the draft
 // levels) was read at a fraction of the memory's bandwidth: the default pair's bf16 forward
 // right after a step's host work took ~2x its time run back to back (BENCHMARKS.md, "Issue 39,
-// fourteenth session"). The kernels ask for each line kPrefetchBytes ahead of the one they
-// load. A hint: it never faults (past a matrix's end it reads nothing) and changes no result.
+// fourteenth session"). The skinny kernel asks for a matrix's first kPrefetchBytes when a call
+// starts, and for each block of rows kPrefetchBytes ahead of the block it computes. A hint: it
+// never faults (past a matrix's end it reads nothing) and changes no result.
 constexpr int64_t kPrefetchBytes = 16384;
 
-RHEO_ALWAYS_INLINE void prefetch_ahead(const void* p) {
-  __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3);
-}
-
-// The first kPrefetchBytes of ``bytes`` at p (a matrix's start, which nothing asked ahead for),
-// asked for at once: the lines come in parallel, not one demand miss after another.
-RHEO_ALWAYS_INLINE void prefetch_start(const void* p, int64_t bytes) {
+// Every 64-byte line of ``bytes`` at p asked for at once: they come in parallel, not one
+// demand miss after another.
+RHEO_ALWAYS_INLINE void prefetch_range(const void* p, int64_t bytes) {
   const char* at = static_cast<const char*>(p);
-  const int64_t n = bytes < kPrefetchBytes ? bytes : kPrefetchBytes;
-  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(at + i, 0, 3);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(at + i, 0, 3);
 }
 
 }  // namespace cpu

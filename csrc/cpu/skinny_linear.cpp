@@ -319,7 +319,8 @@ void sweep(const SkinnyLinearArgs& a) {
   Elem* y = static_cast<Elem*>(a.y);
   std::vector<float> packed;  // [m, in] float32 copy of bf16 x rows (FMA paths)
   const int64_t rows = sweep_rows(a.in, sizeof(XElem));
-  cpu::prefetch_start(w + a.o_begin * a.in, (a.o_end - a.o_begin) * a.in * sizeof(Elem));
+  const int64_t w_bytes = (a.o_end - a.o_begin) * a.in * sizeof(Elem);
+  cpu::prefetch_range(w + a.o_begin * a.in, std::min(w_bytes, cpu::kPrefetchBytes));
   for (int64_t i0 = 0; i0 < a.n; i0 += rows) {
     const int64_t m = std::min(rows, a.n - i0);
     const XElem* x_rows[kMaxSweepRows];  // [m] rows of x, [in] each
@@ -332,11 +333,9 @@ void sweep(const SkinnyLinearArgs& a) {
     for (int64_t i = 0; i < m; ++i) y_rows[i] = y + (i0 + i) * a.y_stride;
     for (int64_t o0 = a.o_begin; o0 < a.o_end; o0 += R) {
       const bool full = o0 + R <= a.o_end;  // else the last rows of the range, one at a time
-      if (i0 == 0) {  // W's rows come from memory in the first sweep: ask ahead for them
-        const char* block = reinterpret_cast<const char*>(w + o0 * a.in);
-        const int64_t bytes = std::min<int64_t>(R, a.o_end - o0) * a.in * sizeof(Elem);
-        for (int64_t at = 0; at < bytes; at += 64) cpu::prefetch_ahead(block + at);
-      }
+      if (i0 == 0)  // W's rows come from memory in the first sweep: ask ahead for them
+        cpu::prefetch_range(reinterpret_cast<const char*>(w + o0 * a.in) + cpu::kPrefetchBytes,
+                            std::min<int64_t>(R, a.o_end - o0) * a.in * sizeof(Elem));
       for (int64_t c0 = 0; c0 < m; c0 += C) {
         const int cols = static_cast<int>(std::min<int64_t>(C, m - c0));
         if (full) {

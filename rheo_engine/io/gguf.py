@@ -404,13 +404,11 @@ class _Metadata:
 
     def length(self, key: str) -> int:
         """The number of items of a required array, none of them read."""
-        field = self.fields.get(key)
-        if field is None:
-            self.get(key, list)  # raises: the key is missing
         import gguf
 
-        if field.types[0] != gguf.GGUFValueType.ARRAY:
-            self.get(key, list)  # raises: not an array
+        field = self.fields.get(key)
+        if field is None or field.types[0] != gguf.GGUFValueType.ARRAY:
+            self.get(key, list)  # raises: missing, or not an array
         return int(field.parts[4][0])  # [key length, key, type, item type, count, ...]
 
     def count(self, key: str, low: int = 1, default: Any = _REQUIRED) -> int:
