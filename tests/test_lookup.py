@@ -405,6 +405,9 @@ def target_only():
 
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+         "sun. One day, she saw a big dog in the park. The dog was friendly and wanted to play with "
+         "Lily. Lily and the dog played all day. When the sun went down, Lily went home. ")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -736,6 +739,26 @@ def test_skipping_hopeless_tries_changes_no_step(target_only, monkeypatch):
 # --- 7. quiet stretches: plain steps with no lookup work -------------------------------------
 
 
+def observe_quiet(monkeypatch) -> list[tuple[bool, bool, bool]]:
+    """Per step of a lookup sequence, as it runs: whether it was quiet, whether its context's
+    last MAX_N tokens occurred before (what its plan saw: the index grows after the step), and
+    whether it added evidence."""
+    import rheo_engine.runtime.decoder as decoder_module
+
+    observe = decoder_module.BatchDecoder._observe_lookup
+    steps: list[tuple[bool, bool, bool]] = []
+
+    def observed(self, s, dt, row, cfg, lookup):
+        quiet, repeats = s.cands is decoder_module.QUIET, s.lookup.repeats()
+        before = sum(s.lookup_stats.tried.values())
+        out = observe(self, s, dt, row, cfg, lookup)
+        steps.append((quiet, repeats, sum(s.lookup_stats.tried.values()) != before))
+        return out
+
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_observe_lookup", observed)
+    return steps
+
+
 def test_repeats_is_a_match_of_the_longest_length():
     index = LookupIndex([5, 6, 7, 8, 5, 6])
     assert not index.repeats()  # (8, 5, 6) never occurred before
@@ -755,26 +778,7 @@ def test_quiet_stretches_skip_the_lookup_work_and_wake_on_a_repeat(target_only, 
     from rheo_engine.runtime.tree_policy import CostProfile
 
     profile = CostProfile("toy", {1: 1.0, 4: 2.2, 16: 6.0}, 0.0, {4: 0.1}, {1: 0.05, 16: 0.1})
-    observe = decoder_module.BatchDecoder._observe_lookup
-    plan = decoder_module.BatchDecoder._plan_lookup
-    steps: list[tuple[bool, bool, int]] = []  # per step: quiet, repeats, evidence events
-
-    def planned(self, seqs, room, wanted):
-        s = seqs[0]
-        repeats = s.lookup.repeats()
-        parts = plan(self, seqs, room, wanted)
-        steps.append((s.cands is decoder_module.QUIET, repeats, 0))
-        return parts
-
-    def observed(self, s, dt, row, cfg, lookup):
-        before = sum(s.lookup_stats.tried.values())
-        out = observe(self, s, dt, row, cfg, lookup)
-        quiet, repeats, _ = steps[-1]
-        steps[-1] = (quiet, repeats, sum(s.lookup_stats.tried.values()) != before)
-        return out
-
-    monkeypatch.setattr(decoder_module.BatchDecoder, "_plan_lookup", planned)
-    monkeypatch.setattr(decoder_module.BatchDecoder, "_observe_lookup", observed)
+    steps = observe_quiet(monkeypatch)
     runs = {}
     for quiet_steps in (4, 1):
         monkeypatch.setattr(decoder_module, "QUIET_STEPS", quiet_steps)
@@ -792,3 +796,77 @@ def test_quiet_stretches_skip_the_lookup_work_and_wake_on_a_repeat(target_only, 
     assert sum(g.accepted.get("lookup", 0) for g in gens) > 0, "no lookup tree accepted"
     assert all(len(g.token_ids) == 96 for g in gens)
     assert not any(st[0] for st in runs[1][0]), "QUIET_STEPS = 1 still had quiet steps"
+
+
+def test_quiet_stretches_double_while_they_run_into_each_other(target_only, monkeypatch):
+    """A stretch that runs out into another makes the next twice as long (QUIET_STEPS, then 8,
+    16, ... up to QUIET_MAX): the runs of quiet steps between planned ones grow; with the
+    doubling off (QUIET_MAX = QUIET_STEPS) none is longer than QUIET_STEPS - 1."""
+    import rheo_engine.runtime.decoder as decoder_module
+    from rheo_engine.runtime.tree_policy import CostProfile
+
+    profile = CostProfile("toy", {1: 1.0, 4: 2.2, 16: 6.0}, 0.0, {4: 0.1}, {1: 0.05, 16: 0.1})
+    steps = observe_quiet(monkeypatch)
+    first, most_of_all = decoder_module.QUIET_STEPS, decoder_module.QUIET_MAX
+    longest = {}
+    for most in (most_of_all, first):
+        monkeypatch.setattr(decoder_module, "QUIET_MAX", most)
+        steps.clear()
+        for k in range(3):
+            target_only.generate("Once upon a time" + " " * k, 160, temperature=1.0,
+                                 seed=40 + k, cost_profile=profile)  # fmt: skip
+        runs, run = [], 0
+        for quiet, _, _ in steps:
+            run = run + 1 if quiet else 0
+            runs.append(run)
+        longest[most] = max(runs)
+    assert longest[first] == first - 1, longest
+    assert 2 * first - 1 <= longest[most_of_all] <= most_of_all - 1, longest
+
+
+@pytest.mark.parametrize("drafts", ["both", "head", "lookup"])
+def test_a_rest_is_the_plan_it_skips(default_engine, monkeypatch, drafts):
+    """BatchDecoder._rest (a plain step taken without planning it) changes no step: the same
+    tokens, trees and accepted drafts as planning every step, alone and in a batch; costs pinned
+    by a profile so that no timing moves the choices. It must fire on most steps at T = 1 and
+    the drafts must be accepted on some (else the comparison shows nothing)."""
+    import rheo_engine.runtime.decoder as decoder_module
+    from rheo_engine.runtime.tree_policy import CostProfile, profile_key
+    from rheo_engine.spec.draft import pool_kind
+
+    rest = decoder_module.BatchDecoder._rest
+    rested, steps = [], []
+
+    def counted(self, seqs):
+        parts = rest(self, seqs)
+        rested.append(parts is not None)
+        return parts
+
+    def profile(T: float) -> CostProfile:
+        # T = 0: rows cheap enough that trees pay where the drafts hold; T = 1: dear enough
+        # that the steps are mostly plain, as on a CPU (what a rest is for)
+        engine, dear = default_engine, 1.0 if T > 0 else 0.3
+        key = profile_key(engine.target.cfg, engine.head.cfg, engine.target.device,
+                          engine.target.dtype, pool_kind("rheo", T), 10)  # fmt: skip
+        target_s = {n: 1.0 + dear * (n - 1) ** 0.8 for n in (1, 2, 4, 8, 16, 32, 64)}
+        return CostProfile(key, target_s, 0.05, {n: 0.1 for n in (1, 2, 4, 8, 10)},
+                           {n: 0.02 for n in target_s})  # fmt: skip
+
+    prompts = [CODE, STORY, STORY + "The next day, "]
+    runs = []
+    for gate in (counted, lambda self, seqs: None):
+        monkeypatch.setattr(decoder_module.BatchDecoder, "_rest", gate)
+        alone = [default_engine.generate(p, 96, temperature=T, seed=7 + k, drafts=drafts,
+                                         cost_profile=profile(T))
+                 for T in (0.0, 1.0) for k, p in enumerate(prompts)]  # fmt: skip
+        batch = default_engine.generate(prompts, 64, temperature=1.0, seed=[3, 4, 5],
+                                        drafts=drafts, cost_profile=profile(1.0))  # fmt: skip
+        runs.append(alone + batch)
+        steps.append(len(rested))
+    for fast, planned in zip(*runs, strict=True):
+        assert fast.token_ids == planned.token_ids
+        assert fast.accept_lengths == planned.accept_lengths
+        assert fast.trees.histogram() == planned.trees.histogram()
+        assert fast.accepted == planned.accepted
+    assert sum(rested) > steps[0] // 8, f"{sum(rested)} rests in {steps[0]} steps: a weak test"
+    assert sum(sum(g.accepted.values()) for g in runs[0]) > 0, "no draft accepted"

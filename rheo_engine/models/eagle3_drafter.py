@@ -435,7 +435,6 @@ class Eagle3Drafter:
         # ... is out of bounds" or "INDICES element is out of DATA bounds" on the CPU, a
         # device-side assert on a GPU).
 
-    @torch.no_grad()
     def commit(
         self,
         tree: kernels.Tree,
@@ -455,13 +454,22 @@ class Eagle3Drafter:
         bonus = verdict.bonus_token
         if N == 1 and B == 1 and bonus.device == features.device:
             # One sequence's plain step: its pair as the step made it, [1, 1, F] and [1] (any
-            # int dtype), shaped and cast when it runs (take_waiting): a plain step's hot path
+            # int dtype), shaped and cast when it runs (take_waiting): a plain step's hot path,
+            # no tensor made (so no torch.no_grad either: ~15 Python calls of a ~300-call step)
             slot = self.slots[0]
             if self.pool.lengths[slot] + self._pending_rows[slot] >= self.max_len:
                 self._queue(slot, features[0], bonus)  # raises: the slot is full
             self._pending[slot].append((features, bonus))
             self._pending_rows[slot] += 1
             return
+        self._commit_paths(tree, verdict, outcome, features)
+
+    @torch.no_grad()
+    def _commit_paths(self, tree: kernels.Tree, verdict: kernels.Verdict, outcome: Outcome,
+                      features: torch.Tensor) -> None:  # fmt: skip
+        """commit for a batch's plain step or any tree step: each path's pairs gathered."""
+        B, N, F_in = features.shape
+        bonus = verdict.bonus_token
         dev = features.device
         bonus = bonus.to(dev).long().view(B, 1)
         if N == 1:  # a plain step: each root's pair, nothing to gather (the bonus token from

@@ -145,8 +145,11 @@ class SeqState:
     lookup_stats: LookupStats | None = None
     lookup_cal: Calibration | None = None  # its auto-chosen lookup trees against their promise
     cands: Candidates | None = None
-    # Plain steps left in a quiet stretch of prompt lookup (_plan_lookup): no trie, no evidence
+    # Plain steps left in a quiet stretch of prompt lookup (_plan_lookup): no trie, no evidence;
+    # and the steps its next stretch spans (QUIET_STEPS, doubled by each stretch that ran out
+    # into another, up to QUIET_MAX)
     lookup_rest: int = 0
+    quiet_len: int = 0
     # drafts "both": this step's head tree (what the tree policy chose and observes), and the
     # tokens the head's part of a tree yields a step (decayed mean; lookup's nodes must beat it).
     head_cfg: TreeConfig | None = None
@@ -161,9 +164,10 @@ class SeqState:
 
 
 # Prompt lookup's quiet stretch (_plan_lookup, docs/lookup.md §6): the steps a stretch spans
-# (one of them plans and gathers evidence; 1: no stretches), the match lengths it rules out,
-# and the empty trie its other steps carry (_observe_lookup then adds no evidence).
-QUIET_STEPS = 4
+# (one of them plans and gathers evidence; 1: no stretches), the most a stretch that follows
+# stretches spans, the match lengths it rules out, and the empty trie its other steps carry
+# (_observe_lookup then adds no evidence).
+QUIET_STEPS, QUIET_MAX = 4, 32
 SHORT_MATCHES = frozenset(range(1, MAX_N))
 QUIET = Candidates([], [], [], [], [])
 
@@ -459,7 +463,8 @@ class BatchDecoder:
                 return []
             group = groups[self._turn % len(groups)]
             self._turn += 1
-            parts = self._plan([s for s in self.running if s.group == group])
+            seqs = [s for s in self.running if s.group == group]
+            parts = self._rest(seqs) or self._plan(seqs)
             if self._leads:  # the plan as JSON only when ranks follow it (a step's hot path)
                 plan = [[[s.slot for s in part[0]], dataclasses.asdict(part[1]),
                          *(part[3:] if len(part) > 3 else ("", 0))] for part in parts]  # fmt: skip
@@ -543,6 +548,40 @@ class BatchDecoder:
             parts.setdefault(policy.choose(room(s), wanted(s)), []).append(s)
         return [(part, cfg, policy) for cfg, part in parts.items()]
 
+    def _rest(self, seqs: list[SeqState]):
+        """The plan of a step that is plain for every source without planning it, or None
+        (then _plan): every sequence in a quiet stretch of prompt lookup that no repeat wakes
+        (_plan_lookup), and the head's auto tree sure to answer plain (AutoTree.rest). The same
+        parts, choices and state as _plan's, at a fraction of its Python: most steps at T = 1."""
+        group = seqs[0].group
+        if not group.drafts or group.tree != "auto":
+            return None
+        lookup, head = group.source != "head", group.source != "lookup"
+        for s in seqs:  # (loops, not generators: a rest is worth its Python calls)
+            if lookup and (s.lookup_rest <= 0 or s.lookup.repeats()):
+                return None
+        policy = None
+        if head:
+            policy = self._policies.get(group)
+            if not isinstance(policy, AutoTree) or policy.contradicted:
+                return None
+            lengths = self.pool.lengths
+            room, wanted, waiting = self.max_len, 0, 0
+            for s in seqs:
+                if self.drafter.length(s.slot) == 0:
+                    return None
+                room = min(room, s.limit - lengths[s.slot])
+                wanted = max(wanted, s.request.max_new_tokens - s.emitted)
+                waiting = max(waiting, s.queued)
+            if not policy.rest(room, wanted, waiting, len(seqs)):
+                return None
+        if not lookup:
+            return [(seqs, PLAIN, policy)]
+        for s in seqs:
+            s.lookup_rest -= 1
+            s.cands = QUIET
+        return [(seqs, PLAIN, None, "alone", 0)]
+
     def _waiting(self, seqs: list[SeqState]) -> int:
         """The most pairs any of these sequences' steps queued for the head since it last
         drafted (AutoTree.choose; SeqState.queued)."""
@@ -557,7 +596,8 @@ class BatchDecoder:
         costs = None
         plain, parts = [], []
         for s in seqs:
-            if s.lookup_rest > 0 and not s.lookup.repeats():
+            woken = s.lookup_rest > 0  # by a repeat (a stretch that ran out plans with 0 left)
+            if woken and not s.lookup.repeats():
                 # A quiet stretch (below): plain, no trie, no evidence; the index still grows
                 s.lookup_rest -= 1
                 s.cands = QUIET
@@ -584,11 +624,17 @@ class BatchDecoder:
                         SHORT_MATCHES <= lengths or no_tree_pays(
                             s.lookup_stats, local, room(s), wanted(s), cfg.total_tokens,
                             cfg.depth, SHORT_MATCHES, s.lookup_cal.factor)):  # fmt: skip
-                    # Nor could a tree of any match shorter than MAX_N: a quiet stretch. The
-                    # next QUIET_STEPS - 1 steps are plain with no trie and no shadow evidence,
-                    # unless the context's last MAX_N tokens occurred before (docs/lookup.md §6)
-                    s.lookup_rest = QUIET_STEPS - 1
+                    # Nor could a tree of any match shorter than MAX_N: a quiet stretch. Its
+                    # next quiet_len - 1 steps are plain with no trie and no shadow evidence,
+                    # unless the context's last MAX_N tokens occurred before; a stretch that
+                    # ran out into this one makes the next twice as long (docs/lookup.md §6)
+                    length = max(s.quiet_len, QUIET_STEPS)
+                    s.lookup_rest = length - 1
+                    s.quiet_len = length if woken else min(2 * length, QUIET_MAX)
+                else:
+                    s.quiet_len = QUIET_STEPS
                 continue
+            s.quiet_len = QUIET_STEPS
             s.cands = candidates(s.lookup, s.lookup_stats, cfg.depth, cfg.topk, None, matches)
             n, depth = choose_nodes(s.cands, local, room(s), wanted(s), cfg.total_tokens,
                                     s.lookup_cal.factor)  # fmt: skip
@@ -835,7 +881,8 @@ class BatchDecoder:
         if cfg.method == "ar":  # what the lookup drafts would have done (shadow_events)
             s.lookup_stats.observe(shadow_events(cands, emitted))
             return row
-        s.lookup_rest = 0  # a tree's evidence: the next plain step plans again
+        s.lookup_rest, s.quiet_len = 0, QUIET_STEPS  # a tree's evidence: the next plain step
+        # plans again, and a stretch after it is the first
         n, path = row.accept_len[0], row.accept_path[0]
         accepted = s.request.accepted
         source = {"alone": "lookup", "": "head"}.get(lookup)
