@@ -943,3 +943,57 @@ def test_kept_costs_are_per_kernels_build(monkeypatch, tmp_path):
     there = machine.kept_file("profiles", "a key")
     assert here is not None and there is not None and here != there
     assert here.parent == there.parent == tmp_path / "profiles"
+
+
+def _state(policy: AutoTree) -> dict:
+    """What a policy's later choices read: every attribute, arrays by value."""
+    out = {}
+    for name, value in vars(policy).items():
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        elif name == "stats":
+            value = {k: (v.sums.tolist(), v.counts.tolist()) for k, v in value.items()}
+        elif name == "calibration":
+            value = vars(value).copy()
+        out[name] = value
+    return out
+
+
+def test_rest_is_choose_where_it_answers():
+    """AutoTree.rest (the decoder's plain step not planned) leaves the policy exactly as choose
+    would where it answers, and changes nothing where it declines: over random histories of
+    trees, plain steps, probes (affordable or not), room, tokens wanted and backlog."""
+    import copy
+
+    rng = np.random.default_rng(0)
+    rested = declined = skipped = 0
+    for trial in range(40):
+        cost = float(rng.uniform(1.0, 4.0))
+        target_s = {1: 1.0, 2: 1.0 + 0.1 * cost, 16: cost * 2.0}
+        levels = {2: 0.02 * cost, 4: 0.04 * cost, 10: 0.1 * cost}  # a backlog costs its rows
+        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0}))
+        room = wanted = 200
+        for step in range(120):
+            room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
+            if step > 110:
+                wanted = int(rng.integers(0, 3))  # the last tokens: no probe, no search
+            waiting = int(rng.integers(0, 40))
+            before = _state(policy)
+            twin = copy.deepcopy(policy)
+            due = policy.since_probe + 1 >= (policy.probe_gap if policy.probes else
+                                             policy.PROBE_FIRST)  # fmt: skip
+            if policy.rest(room, wanted, waiting, 1):
+                assert twin.choose(room, wanted, waiting).method == "ar"
+                assert _state(policy) == _state(twin)
+                rested += 1
+                skipped += due and wanted >= 2  # a probe due that the budget did not afford
+                continue
+            declined += 1
+            assert _state(policy) == before
+            cfg = policy.choose(room, wanted, waiting)
+            if cfg.method != "ar":  # a tree or a probe: what it accepted, in what time
+                accepted = [1, 5, 9][: int(rng.integers(0, 4))]
+                policy.observe(GROWN, outcome(accepted), float(rng.uniform(1.0, 3.0 * cost)))
+            else:
+                policy.observe(cfg, outcome([]), 1.0)
+    assert rested > 500 and declined > 500 and skipped > 20, (rested, declined, skipped)

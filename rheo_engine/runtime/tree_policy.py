@@ -888,21 +888,25 @@ class AutoTree:
         """choose(room, wanted, waiting) for a batch of ``batch`` where it would answer plain
         without searching or probing: the last search found no tree paying and nothing that
         could change that moved (plain_known: the room and the tokens wanted no larger, the
-        head's backlog no cheaper), no probe is due at this step nor one waits to be settled,
-        and no kept profile is being checked. Returns True with choose's state after a plain
-        answer, or False having changed nothing (then choose). The decoder asks it before it
-        plans a step: a plain step's plan, made cheap."""
+        head's backlog no cheaper), no probe that the budget affords is due at this step (one
+        it cannot afford is skipped as _choose skips it: the gap counted from here), none waits
+        to be settled, and no kept profile is being checked. Returns True with choose's state
+        after a plain answer, or False having changed nothing (then choose). The decoder asks it
+        before it plans a step: a plain step's plan, made cheap."""
         known = self.plain_known
         if known is None or batch != self.batch or self.probe_tokens or self.checks is not None:
-            return False
-        if self.since_probe + 1 >= (self.probe_gap if self.probes else self.PROBE_FIRST):
             return False
         waiting_s = self.profile.waiting_s(waiting * batch)
         if room > known[0] or wanted > known[1] or waiting_s < known[2]:
             return False
+        # (_choose answers plain before its probe when fewer than 2 tokens are wanted)
+        due = wanted >= 2 and self.bound.method != "ar" and (
+            self.since_probe + 1 >= (self.probe_gap if self.probes else self.PROBE_FIRST))
+        if due and self.cheapest_probe_s + waiting_s <= self._probe_limit():
+            return False  # a probe may run: choose's search decides
         self.waiting_s = waiting_s
         self.steps += 1
-        self.since_probe += 1
+        self.since_probe = 0 if due else self.since_probe + 1
         self.predicted_s = self.plain_s
         self.total_s += self.plain_s
         return True
