@@ -809,6 +809,81 @@ def test_estimate_profile_times_each_part_once_at_two_sizes():
     assert prof.level_s[2] < prof.level_s[4] < prof.level_s[10] and prof.level_s[10] >= 0.004
 
 
+def test_estimate_profile_takes_a_plain_steps_times_for_one_node():
+    """Given a real plain step's times (the decoder's first step under the profile), the
+    estimate times no forward, verification or draft of one node: they are the step's."""
+    calls = []
+
+    class Tree:
+        def __init__(self, n):
+            self.tree, self.n = n, n
+
+    def forward_tree(n):
+        calls.append(("forward", n))
+        return n
+
+    def draft(depth, n, k):
+        calls.append(("draft", depth, n, k))
+        return Tree(n)
+
+    from rheo_engine.runtime.tree_policy import estimate_profile
+
+    prof = estimate_profile("toy", forward_tree, draft, lambda logits, tree: None, max_nodes=60,
+                            max_depth=8, topks=(2, 4, 10), plain=(0.25, 0.0125))  # fmt: skip
+    assert [c for c in calls if c[0] == "forward"] == [("forward", 4)]
+    assert ("draft", 1, 1, 10) not in calls
+    assert prof.target_s[1] == 0.25 and prof.verify_s[1] == 0.0125 and sorted(prof.target_s) == [1, 4]
+
+
+def test_the_first_step_under_an_estimate_is_plain_and_times_it(tiny, tmp_path, monkeypatch):
+    """On one CPU process, a request whose profile is not here yet takes its first step plain
+    and the estimate before its second step uses that step's target forward and verification
+    for one node (no forward of its own there): the first answer waits one forward less. A
+    profile here already: no such step (the first step is planned)."""
+    import rheo_engine.runtime.decoder as decoder_module
+    from rheo_engine.runtime.tree_policy import estimate_profile
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RHEO_COSTS", raising=False)
+    estimates, steps = [], []
+
+    def estimating(key, forward_tree, draft, verify, *args, **kwargs):
+        sizes = []
+
+        def forward(tree):
+            sizes.append(tree.tokens.shape[1])
+            return forward_tree(tree)
+
+        profile = estimate_profile(key, forward, draft, verify, *args, **kwargs)
+        estimates.append((kwargs.get("plain"), sizes, profile))
+        return profile
+
+    real_step = decoder_module.BatchDecoder._step
+
+    def step(self, seqs, cfg, policy, lookup="", extra=0):
+        out = real_step(self, seqs, cfg, policy, lookup, extra)
+        steps.append((type(policy).__name__, cfg.total_tokens if cfg.method != "ar" else 1))
+        return out
+
+    monkeypatch.setattr(decoder_module, "estimate_profile", estimating)
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_step", step)
+    engine = Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+    for drafts in ("head", "both"):
+        estimates.clear(), steps.clear()
+        engine.cost_profiles.clear(), engine.cost_learners.clear()
+        for path in (tmp_path / "cache").glob("profiles/*.json"):
+            path.unlink()
+        gen = engine.generate(PROMPT, 12, temperature=0.0, drafts=drafts, topk=4, depth=3,
+                              total_tokens=8, ignore_eos=True)  # fmt: skip
+        assert steps[0] == ("FirstPlain", 1) and len(estimates) == 1, (steps, drafts)
+        (plain, sizes, profile), = estimates
+        assert plain is not None and sizes == [4] and profile.target_s[1] == plain[0] > 0
+        assert len(gen.token_ids) == 12 and gen.measure_s > 0
+    steps.clear()
+    engine.generate(PROMPT, 6, temperature=0.0, drafts="head", topk=4, depth=3, total_tokens=8)
+    assert steps[0][0] == "AutoTree" and len(estimates) == 1  # the profile is here now
+
+
 def learner_estimate() -> CostProfile:
     return CostProfile("toy", {1: 1.0, 4: 2.0}, 0.1, {2: 0.1, 10: 0.2}, {1: 0.0, 4: 0.0})
 

@@ -172,6 +172,18 @@ SHORT_MATCHES = frozenset(range(1, MAX_N))
 QUIET = Candidates([], [], [], [], [])
 
 
+@dataclass(frozen=True)
+class FirstPlain:
+    """The policy of a group's first step under an estimated profile (BatchDecoder._first_plain):
+    plain, priced by nothing, observing nothing; the decoder keeps the step's times."""
+
+    key: str
+    predicted_s = None
+
+    def observe(self, cfg: TreeConfig, outcome: Outcome, seconds: float) -> None:
+        pass
+
+
 def _outcome_row(outcome: Outcome, b: int) -> Outcome:
     return Outcome(
         accept_len=outcome.accept_len[b : b + 1], bonus_token=outcome.bonus_token[b : b + 1],
@@ -274,6 +286,9 @@ class BatchDecoder:
             self.static_draft = StaticDraft(self.drafter, self.status, keys)
         self.running: list[SeqState] = []
         self._policies: dict[TreeGroup, FixedTree | AutoTree] = {}
+        # profile key -> (target forward, verification) seconds of its first plain step
+        # (_first_plain), for the estimate that follows it
+        self._plain_times: dict[str, tuple[float, float]] = {}
         self._views: dict[tuple[int, ...], SlotBatch] = {}  # the last view of each batch
         self._turn = 0  # round robin over the groups
         self.tp = tp
@@ -534,6 +549,9 @@ class BatchDecoder:
             # A head needs one (feature, token) pair before it can draft, so the first step of
             # a one-token prompt is a plain target step.
             return [(seqs, PLAIN, None)]
+        first = self._first_plain(seqs)
+        if first is not None:
+            return [(seqs, PLAIN, first)]
         policy = self._policy(seqs[0])
 
         # Lossless (docs/tree_policy.md §7): the policy fixes the tree from what is known before
@@ -654,6 +672,9 @@ class BatchDecoder:
         cannot draft yet), each sequence's lookup tree alone, as drafts "lookup"."""
         if any(self.drafter.length(s.slot) == 0 for s in seqs):
             return self._plan_lookup(seqs, room, wanted)
+        first = self._first_plain(seqs)
+        if first is not None:  # (plain for lookup too: its costs come from this profile)
+            return [(seqs, PLAIN, first, "", 0)]
         policy = self._policy(seqs[0])
         if isinstance(policy, AutoTree):
             policy.set_batch(len(seqs))
@@ -792,6 +813,8 @@ class BatchDecoder:
             group.drafts and group.source != "lookup", drafted, merge,
         )  # fmt: skip
         seconds = time.perf_counter() - start
+        if isinstance(policy, FirstPlain):
+            self._plain_times[policy.key] = (result.times.target_s, result.times.verify_s)
         if self.learners:
             self._learn(seqs, cfg, lookup, result, seconds)
         predicted = getattr(policy, "predicted_s", None)
@@ -995,7 +1018,8 @@ class BatchDecoder:
         @waits("estimating this machine's step costs (once per model, dtype, threads, T = 0/> 0)")
         def estimated(key: str) -> CostProfile:
             start = time.perf_counter()
-            profile = self._measure(seq, key, estimate_profile)
+            how = functools.partial(estimate_profile, plain=self._plain_times.get(key))
+            profile = self._measure(seq, key, how)
             request.measure_s += time.perf_counter() - start
             trim_heap()  # its trees and logits, freed, back to the OS (as measured's)
             self.learners[key] = CostLearner(profile)  # refined by the steps (_learn)
@@ -1024,11 +1048,7 @@ class BatchDecoder:
         if request.tree == "fixed":
             policy = FixedTree(cfg)
         else:
-            head, target = self.head, self.target
-            pool = pool_kind(cfg.method, request.sampling.temperature)
-            tp = 1 if target.tp is None else target.tp.size
-            key = profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk,
-                              tp, self._weights, head.quantized_kinds())  # fmt: skip
+            key = self._profile_key(seq)
             profile = request.cost_profile
             if isinstance(profile, CostProfile):
                 if profile.key != key:
@@ -1053,6 +1073,30 @@ class BatchDecoder:
             policy.pinned = request.cost_profile is not None  # its trees reproduce
         self._policies[seq.group] = policy
         return policy
+
+    def _profile_key(self, seq: SeqState) -> str:
+        """The key of the cost profile the auto tree prices this sequence's trees with."""
+        request, cfg, head, target = seq.request, seq.request.tree_cfg, self.head, self.target
+        pool = pool_kind(cfg.method, request.sampling.temperature)
+        tp = 1 if target.tp is None else target.tp.size
+        return profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk, tp,
+                           self._weights, head.quantized_kinds())  # fmt: skip
+
+    def _first_plain(self, seqs: list[SeqState]) -> FirstPlain | None:
+        """A group's first step where its auto tree's profile would be estimated (one CPU
+        process, a sequence alone, no profile here, kept or brought): a plain step, whose target
+        forward and verification the estimate then takes for its one-node pair
+        (estimate_profile's ``plain``) rather than timing a forward of its own before the next
+        step; None where the step is planned as ever. Lossless: a shape fixed before the step."""
+        seq = seqs[0]
+        request = seq.request
+        if (len(seqs) != 1 or not self._learns or request.tree != "auto"
+                or request.cost_profile is not None or seq.group in self._policies):  # fmt: skip
+            return None
+        key = self._profile_key(seq)
+        if key in self._plain_times or self.profiles.get(key) or cached_profile(key):
+            return None
+        return FirstPlain(key)
 
     def _measure(self, seq: SeqState, key: str, how=None) -> CostProfile:
         """Time target forwards, draft levels and verification on this sequence's own state

@@ -422,13 +422,16 @@ def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_d
 
 
 def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int,
-                     topks: tuple[int, ...]) -> CostProfile:  # fmt: skip
+                     topks: tuple[int, ...],
+                     plain: tuple[float, float] | None = None) -> CostProfile:  # fmt: skip
     """A first profile in a few forwards, for CostLearner to refine from the real steps
     (docs/tree_policy.md §4): each part timed once, at two sizes: a target forward and a
     verification over 1 node and over ``small`` (4, or max_nodes when fewer), a depth-1 draft
     and one depth-``deep`` draft per width, after one untimed draft (it runs the head over the
     prompt's pairs, which the first tree would run anyway, and warms its expansion). Larger
-    trees cost what the slope between the two sizes says; nothing is calibrated."""
+    trees cost what the slope between the two sizes says; nothing is calibrated. ``plain``:
+    the target forward's and the verification's seconds of a real plain step just taken (the
+    decoder's first step under this profile), which then stand for the one-node pair."""
     start = time.perf_counter()
     widest = max(topks)
     small = min(max_nodes, 4)
@@ -442,7 +445,7 @@ def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_
         draft_s[depth, k] = time.perf_counter() - begun
         return tree
 
-    trees = {1: draft(1, 1, widest)}
+    trees = {} if plain is not None else {1: draft(1, 1, widest)}
     if small > 1:
         # Untimed: the head's pass over the prompt's pairs (which the first tree would run) and
         # a first expansion (weights stacked on first use).
@@ -453,11 +456,14 @@ def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_
             if k != widest:
                 timed_draft(deep, k)
     target_s, verify_s, logits = {}, {}, {}
-    for n in sizes:
+    if plain is not None:
+        target_s[1], verify_s[1] = plain
+    timed = [n for n in sizes if n not in target_s]
+    for n in timed:
         begun = time.perf_counter()
         logits[n] = forward_tree(trees[n].tree)
         target_s[n] = time.perf_counter() - begun
-    for n in sizes:
+    for n in timed:
         verify_s[n] = _timed(lambda n=n: verify(logits[n], trees[n]))
     draft_base = draft_s.get((1, widest), 0.0)
     level_s = {k: 0.0 for k in topks}
