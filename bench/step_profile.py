@@ -18,6 +18,8 @@ pass). Then one more run per configuration is counted:
   engine's own kernels (rheo_engine.spec.kernels calls into _C), with a captured forward
   counted as one launch; host reads are the values a step reads back (item / tolist / numpy /
   a scalar conversion). The CPU has no busy share ("-").
+And on either device the Python calls a step (sys.setprofile's events; on the CPU with the
+layers in their one C++ call, as it runs them): the host's work, beside the operators.
 Counts are over a whole request (its prefill too) divided by its steps.
 Prints the conditions line and a markdown table (BENCHMARKS.md keeps them with the command).
 """
@@ -181,6 +183,32 @@ def count_cuda(engine, prompt, cfg, args) -> dict:
             "busy": busy_us * 1e-6 / wall}  # fmt: skip
 
 
+def python_calls(engine, prompt, cfg, args) -> float:
+    """Python calls a step (sys.setprofile's call and c_call events: functions of Python and of
+    C called from it), the layers in one C++ call where the CPU runs them so: the host's work
+    of a step, which on a small model is a large share of it (a plain step of the default pair
+    is ~300 calls)."""
+    from rheo_engine.models.llama import LlamaModel
+
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    saved, LlamaModel.one_call = LlamaModel.one_call, True
+    try:
+        generate(engine, prompt, cfg, args)
+        sys.setprofile(count)
+        try:
+            gen = generate(engine, prompt, cfg, args)
+        finally:
+            sys.setprofile(None)
+    finally:
+        LlamaModel.one_call = saved
+    return calls[0] / max(1, gen.steps)
+
+
 def count_cpu(engine, prompt, cfg, args) -> dict:
     generate(engine, prompt, cfg, args)  # the auto tree's measurement happens here
     with cpu_counter() as (mode, counts):
@@ -249,16 +277,18 @@ def main(argv: list[str] | None = None) -> dict:
     rows, out = [], []
     for i, cfg in enumerate(configs):
         c = count(engine, prompts[0], cfg, args)
+        c["python_calls"] = python_calls(engine, prompts[0], cfg, args)
         med_ms, tau = statistics.median(ms[i]), statistics.median(taus[i])
         busy = "-" if c["busy"] is None else f"{100 * c['busy']:.0f}%"
         rows.append([cfg["method"], "on" if cfg["graphs"] else "off", f"{med_ms:.2f}",
-                     f"{tau:.2f}", f"{c['launches']:.0f}", f"{c['reads']:.1f}", busy,
+                     f"{tau:.2f}", f"{c['launches']:.0f}", f"{c['reads']:.1f}",
+                     f"{c['python_calls']:.0f}", busy,
                      f"{statistics.median(ratio[i]):.2f}x"])  # fmt: skip
         out.append({**{k: v for k, v in cfg.items() if k != "tree"}, "ms_per_step": med_ms,
                     "tokens_per_step": tau, **c, "vs_ar": statistics.median(ratio[i])})  # fmt: skip
     what = "kernel launches" if args.device.startswith("cuda") else "operators (a GPU's launches)"
     md = markdown_table(["method", "static buffers", "ms / step", "tokens / step",
-                         f"{what} / step", "host reads / step", "GPU busy",
+                         f"{what} / step", "host reads / step", "Python calls / step", "GPU busy",
                          "speed vs ar (off)"], rows)  # fmt: skip
     print(md, end="")
     if args.md:

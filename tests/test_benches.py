@@ -553,6 +553,8 @@ def test_step_profile_counts_what_a_gpu_launches(tmp_path):
         assert 1.0 <= reads[m, "on"] <= 2.0 and reads[m, "on"] == reads[m, "off"], reads
     # the draft loop and the head's commit are replays too: a rheo step launches a fraction
     assert ops["rheo", "on"] < 0.4 * ops["rheo", "off"], ops
+    calls = {k: float(r[6]) for k, r in rows.items()}
+    assert all(c > 50 for c in calls.values()), calls  # a step's own calls at least
     assert rows["ar", "off"][-1].startswith("1.00x")
     assert md.read_text().startswith("# bench=step_profile") and "| rheo | on |" in md.read_text()
     bad = _run_script(["bench/step_profile.py", "--graphs", "2"])
