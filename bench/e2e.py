@@ -155,4 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    import inputs
+
+    inputs.FREEZE_HEAP = True  # a script: the load's objects out of every full collection
     cli(main, sys.argv[1:])
