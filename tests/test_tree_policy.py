@@ -1020,6 +1020,31 @@ def test_kept_costs_are_per_kernels_build(monkeypatch, tmp_path):
     assert here.parent == there.parent == tmp_path / "profiles"
 
 
+def test_the_machine_is_named_without_a_subprocess(monkeypatch):
+    """The key of kept costs names the CPU from /proc/cpuinfo; platform.processor() (on Linux a
+    `uname -p` subprocess: a fork of the whole engine, in its first step) only where that file
+    names no model."""
+    import platform
+    from pathlib import Path
+
+    from rheo_engine import machine
+
+    info = Path("/proc/cpuinfo")
+    if not info.is_file() or "model name" not in info.read_text():
+        pytest.skip("no /proc/cpuinfo with a model name here (the platform's name is used)")
+
+    def forked():
+        raise AssertionError("platform.processor() ran")
+
+    monkeypatch.setattr(platform, "processor", forked)
+    machine.cpu_model_and_flags.cache_clear()
+    try:
+        model, flags = machine.cpu_model_and_flags()
+        assert model and model in info.read_text() and flags
+    finally:
+        machine.cpu_model_and_flags.cache_clear()
+
+
 def _state(policy: AutoTree) -> dict:
     """What a policy's later choices read: every attribute, arrays by value."""
     out = {}
