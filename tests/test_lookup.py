@@ -870,3 +870,23 @@ def test_a_rest_is_the_plan_it_skips(default_engine, monkeypatch, drafts):
         assert fast.accepted == planned.accepted
     assert sum(rested) > steps[0] // 8, f"{sum(rested)} rests in {steps[0]} steps: a weak test"
     assert sum(sum(g.accepted.values()) for g in runs[0]) > 0, "no draft accepted"
+
+
+def test_lookup_trees_stay_within_the_trusted_rows():
+    """Costs from a profile that prices at most ``trusted`` rows (CostProfile.trusted_rows):
+    choose_nodes and extra_nodes draft no tree past them, however cheap its slope says."""
+    from rheo_engine.runtime.lookup_policy import LocalCosts, extra_nodes
+
+    index = LookupIndex([5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7])
+    stats = LookupStats()
+    for _ in range(50):  # every continuation held: deep trees look good
+        stats.observe([(3, d, True) for d in range(1, 9)])
+    cands = candidates(index, stats, 8, 4)
+    cheap = {1: 1.0, 64: 1.05}
+    free = StepCosts("toy", cheap)
+    capped = StepCosts("toy", cheap, trusted=4)
+    assert choose_nodes(cands, free, 100, 100, 60)[0] > 4
+    assert choose_nodes(cands, capped, 100, 100, 60)[0] <= 4
+    assert choose_nodes(cands, LocalCosts(capped), 100, 100, 60)[0] <= 4
+    assert extra_nodes(cands, free, 2, 1.5, 1.0, 100, 100, 60) > 2
+    assert extra_nodes(cands, capped, 2, 1.5, 1.0, 100, 100, 60) <= 2

@@ -3,6 +3,7 @@ the engine. Losslessness of a history-dependent tree is proven in test_lossless.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -801,6 +802,7 @@ def test_estimate_profile_times_each_part_once_at_two_sizes():
                      ("draft", 1, 4, 10), ("draft", 3, 4, 2), ("draft", 3, 4, 4),
                      ("forward", 1), ("forward", 4), ("verify", 1), ("verify", 4)]  # fmt: skip
     assert sorted(prof.target_s) == [1, 4] and prof.step_scale == {}
+    assert prof.trusted_rows == 8  # twice the most rows timed
     assert 0.004 <= prof.target_s[1] < prof.target_s[4] and prof.target_s[4] >= 0.010
     slope = (prof.target_s[4] - prof.target_s[1]) / 3
     assert prof.target(16) == pytest.approx(prof.target_s[4] + 12 * slope)
@@ -882,6 +884,52 @@ def test_the_first_step_under_an_estimate_is_plain_and_times_it(tiny, tmp_path, 
     steps.clear()
     engine.generate(PROMPT, 6, temperature=0.0, drafts="head", topk=4, depth=3, total_tokens=8)
     assert steps[0][0] == "AutoTree" and len(estimates) == 1  # the profile is here now
+
+
+def test_trees_stay_within_the_rows_a_profile_timed():
+    """A profile prices a forward of at most trusted_rows rows (an estimate: twice the 4 it
+    timed; its slope past them had priced a 60-node forward of the default pair at ~2 plain
+    steps, which took 25). Trees the evidence would pick past it are not drafted, probes
+    included; a profile trusting any size (0) drafts them; the learner doubles the trust as
+    larger forwards run; the field is kept by save / load."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    cheap = {1: 1.0, 4: 1.01, 16: 1.04}  # big trees look almost free
+    capped = CostProfile("toy", cheap, 0.0, {2: 0.0, 4: 0.0, 10: 0.0}, {1: 0.0, 16: 0.0},
+                         trusted_rows=8)  # fmt: skip
+    free = dataclasses.replace(capped, trusted_rows=0)
+    def nodes(cfg: TreeConfig) -> int:
+        return 1 if cfg.method == "ar" else cfg.total_tokens
+
+    path = [1, 5, 9, 13]  # every depth accepted: the largest tree wins where allowed
+    assert nodes(trained(free, path).choose(room=100, wanted=100)) == 16
+    policy = trained(capped, path)
+    chosen = [nodes(policy.choose(room=100, wanted=100)) for _ in range(40)]
+    assert max(chosen) == 8, chosen
+    probing = AutoTree(BOUND, capped)  # a cold start: its probes under the optimistic prior
+    sizes = [nodes(probing.choose(100, 100)) for _ in range(3 * AutoTree.PROBE_GAP)]
+    assert max(sizes) == 8, sizes
+    batched = trained(capped, path)
+    batched.set_batch(4)  # 4 sequences: a forward of 4 x n rows
+    assert nodes(batched.choose(room=100, wanted=100)) == 2
+
+    learner = CostLearner(capped)
+    for _ in range(CostLearner.STEPS):
+        learner.observe("head", 8, 1.02, 1.1, (2, 8, 4, 1), 0.01)
+    assert learner.profile is not capped and learner.profile.trusted_rows == 16
+    learner.observe("lookup", 12, 1.05, 1.1)
+    assert learner._refined().trusted_rows == 24
+    assert CostLearner(free)._refined().trusted_rows == 0  # a measured profile: any size
+
+
+def test_trusted_rows_survive_save_and_load(tmp_path):
+    prof = CostProfile("toy", {1: 1.0, 4: 1.2}, 0.0, {4: 0.1}, {1: 0.0}, trusted_rows=8)
+    prof.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json").trusted_rows == 8
+    old = json.loads((tmp_path / "p.json").read_text())
+    del old["trusted_rows"]  # a file kept before the field: any size
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert CostProfile.load(tmp_path / "old.json").trusted_rows == 0
 
 
 def learner_estimate() -> CostProfile:

@@ -38,6 +38,8 @@ class StepCosts:
     spread: float = 0.0
     measure_s: float = 0.0
     pinned: bool = False  # from a request's cost_profile=: no step time corrects it
+    # the most rows a step may have and be priced by these costs (0: any; CostProfile's)
+    trusted: int = 0
 
     def cost(self, n: int) -> float:
         """Seconds at n rows: linear between measured sizes, past the last by its slope
@@ -61,6 +63,10 @@ class LocalCosts:
     plain: float = 1.0
     rows: float = 1.0
     KEEP = 0.7  # weight of the past in each mean
+
+    @property
+    def trusted(self) -> int:
+        return self.costs.trusted
 
     def cost(self, n: int) -> float:
         one = self.costs.cost(1)
@@ -130,7 +136,8 @@ def costs_from_profile(profile, pinned: bool = True) -> StepCosts:
     trees = [seen[n] - parts(n) for n in seen if n > 1]
     tree = statistics.median(trees) if trees else plain
     steps = {n: seen.get(n, parts(n) + (plain if n == 1 else tree)) for n in sizes}
-    return StepCosts(f"from {profile.key}", monotone(steps), pinned=pinned)
+    return StepCosts(f"from {profile.key}", monotone(steps), pinned=pinned,
+                     trusted=getattr(profile, "trusted_rows", 0))  # fmt: skip
 
 
 def cached_costs(key: str) -> StepCosts | None:
@@ -173,6 +180,8 @@ def choose_nodes(cands: Candidates, costs: StepCosts | LocalCosts | None, room: 
     depth_cap = wanted - 1
     usable = [i for i in cands.ranked() if cands.depth[i] <= depth_cap]
     limit = min(room, max_nodes, len(usable) + 1)
+    if costs is not None and costs.trusted:
+        limit = min(limit, costs.trusted)
     if limit < 2:
         return 1, 0
     if costs is None:
@@ -244,6 +253,8 @@ def extra_nodes(cands: Candidates, costs: StepCosts | None, base_nodes: int, bas
     MARGIN. ``costs`` None (tree="fixed"): every usable candidate up to max_nodes."""
     usable = [i for i in cands.ranked() if cands.depth[i] <= wanted - 1]
     limit = min(room - base_nodes, max_nodes, len(usable))
+    if costs is not None and costs.trusted:
+        limit = min(limit, costs.trusted - base_nodes)
     if limit < 1:
         return 0
     if costs is None:

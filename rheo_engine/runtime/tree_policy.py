@@ -158,6 +158,11 @@ class CostProfile:
     # Learned from real steps (CostLearner): seconds of a plain step (n = 1) and of a step of
     # n prompt-lookup nodes alone, for lookup_policy.costs_from_profile.
     lookup_s: dict[int, float] = field(default_factory=dict)
+    # The most rows (batch x nodes) a step's forward may have and be priced by this profile (0:
+    # any): an estimate timed forwards at 1 and 4 rows and its slope past them priced a 60-node
+    # forward of the default pair at ~2 plain steps, which took 25 (a first probe); twice the
+    # most rows timed, and as the real steps run larger forwards (CostLearner) twice theirs.
+    trusted_rows: int = 0
 
     def scaled(self, ratio: float) -> CostProfile:
         """This profile with every time (forwards, drafting, verification, lookup steps) times
@@ -266,6 +271,7 @@ class CostProfile:
                 step_scale=table("step_scale") if "step_scale" in raw else {},
                 spread={str(k): float(v) for k, v in raw.get("spread", {}).items()},
                 lookup_s=table("lookup_s") if "lookup_s" in raw else {},
+                trusted_rows=int(raw.get("trusted_rows", 0)),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(
@@ -470,7 +476,7 @@ def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_
     for k in topks if small > 1 and deep > 1 else ():
         level_s[k] = max(0.0, (draft_s[deep, k] - draft_base) / (deep - 1))
     return CostProfile(key, target_s, draft_base, level_s, verify_s,
-                       time.perf_counter() - start)  # fmt: skip
+                       time.perf_counter() - start, trusted_rows=2 * max(sizes))  # fmt: skip
 
 
 class CostLearner:
@@ -571,6 +577,8 @@ class CostLearner:
                         for n, r in zip(sizes, scaled, strict=True)}  # fmt: skip
         profile = dataclasses.replace(est, target_s=target_s, step_scale={}, spread={},
                                       lookup_s=self._medians(self.lookups))  # fmt: skip
+        if est.trusted_rows and self.forwards:  # the largest forward that ran, doubled
+            profile.trusted_rows = max(est.trusted_rows, 2 * max(self.forwards))
         drafts = self._medians(self.drafts)
         if drafts:
             ratio = statistics.median(drafts.values())
@@ -849,7 +857,10 @@ class AutoTree:
                                             self.sizes, batch)  # fmt: skip
         # The cheapest tree a probe may draft: when it and the backlog exceed _probe_limit,
         # no probe is affordable and _best(optimistic) need not run.
-        probes = self.step_s[self.feasible & (self.step_s <= self.PROBE_COST * self.plain_s)]
+        # The trees this profile prices: feasible, and within its trusted rows (0: any)
+        trusted = self.profile.trusted_rows or np.inf
+        self.usable = self.feasible & (np.array(self.sizes)[None, None, :] * batch <= trusted)
+        probes = self.step_s[self.usable & (self.step_s <= self.PROBE_COST * self.plain_s)]
         self.cheapest_probe_s = float(probes.min()) if probes.size else float("inf")
 
     @property
@@ -866,7 +877,7 @@ class AutoTree:
         emitted = np.minimum(1.0 + est, wanted)
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
         sizes = np.array(self.sizes)[None, None, :]
-        ok = self.feasible & (sizes <= room) & (depths <= wanted - 1)
+        ok = self.usable & (sizes <= room) & (depths <= wanted - 1)
         if optimistic:  # a tree of at most PROBE_COST plain steps that the budget affords
             # with the head's pass over the pairs waiting (which the probe runs), rated without
             # them (they cost every tree the same)
