@@ -406,8 +406,8 @@ def target_only():
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
-         "sun. One day, she saw a big dog in the park. The dog was friendly and wanted to play with "
-         "Lily. Lily and the dog played all day. When the sun went down, Lily went home. ")
+         "sun. One day, she saw a big dog in the park. The dog was friendly and wanted to play "
+         "with Lily. Lily and the dog played all day. When the sun went down, Lily went home. ")
 
 
 @pytest.mark.parametrize("method", METHODS)

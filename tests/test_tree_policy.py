@@ -768,15 +768,11 @@ def test_plain_steps_of_both_drafts_check_a_kept_profile(tiny, tmp_path, monkeyp
 # --- the CPU's first profile: estimated in a few forwards, learned from the real steps -----------
 
 
-def test_estimate_profile_times_each_part_once_at_two_sizes():
-    """estimate_profile: one untimed draft, then each part once: forwards and verifications at
-    1 and 4 nodes, a depth-1 draft and a depth-3 draft per width; what each took is what the
-    profile holds, and trees past 4 nodes cost the slope between the two sizes."""
+def recorded_parts(calls: list, sleeps: bool = False):
+    """(forward_tree, draft, verify) for estimate_profile that record each call in ``calls``;
+    with ``sleeps`` each takes a known least time (a forward 4 ms at one node, 10 ms above; a
+    draft of n > 1 nodes 1 ms + 0.5 ms x depth x width)."""
     import time
-
-    from rheo_engine.runtime.tree_policy import estimate_profile
-
-    calls = []
 
     class Tree:
         def __init__(self, n):
@@ -784,18 +780,30 @@ def test_estimate_profile_times_each_part_once_at_two_sizes():
 
     def forward_tree(n):
         calls.append(("forward", n))
-        time.sleep(0.004 if n == 1 else 0.010)
+        if sleeps:
+            time.sleep(0.004 if n == 1 else 0.010)
         return n
 
     def draft(depth, n, k):
         calls.append(("draft", depth, n, k))
-        if n > 1:
+        if sleeps and n > 1:
             time.sleep(0.001 + depth * 0.0005 * k)
         return Tree(n)
 
     def verify(logits, tree):
         calls.append(("verify", tree.n))
 
+    return forward_tree, draft, verify
+
+
+def test_estimate_profile_times_each_part_once_at_two_sizes():
+    """estimate_profile: one untimed draft, then each part once: forwards and verifications at
+    1 and 4 nodes, a depth-1 draft and a depth-3 draft per width; what each took is what the
+    profile holds, and trees past 4 nodes cost the slope between the two sizes."""
+    from rheo_engine.runtime.tree_policy import estimate_profile
+
+    calls = []
+    forward_tree, draft, verify = recorded_parts(calls, sleeps=True)
     prof = estimate_profile("toy", forward_tree, draft, verify, max_nodes=60, max_depth=8,
                             topks=(2, 4, 10))  # fmt: skip
     assert calls == [("draft", 1, 1, 10), ("draft", 2, 4, 10), ("draft", 3, 4, 10),
@@ -814,27 +822,16 @@ def test_estimate_profile_times_each_part_once_at_two_sizes():
 def test_estimate_profile_takes_a_plain_steps_times_for_one_node():
     """Given a real plain step's times (the decoder's first step under the profile), the
     estimate times no forward, verification or draft of one node: they are the step's."""
-    calls = []
-
-    class Tree:
-        def __init__(self, n):
-            self.tree, self.n = n, n
-
-    def forward_tree(n):
-        calls.append(("forward", n))
-        return n
-
-    def draft(depth, n, k):
-        calls.append(("draft", depth, n, k))
-        return Tree(n)
-
     from rheo_engine.runtime.tree_policy import estimate_profile
 
-    prof = estimate_profile("toy", forward_tree, draft, lambda logits, tree: None, max_nodes=60,
-                            max_depth=8, topks=(2, 4, 10), plain=(0.25, 0.0125))  # fmt: skip
+    calls = []
+    forward_tree, draft, verify = recorded_parts(calls)
+    prof = estimate_profile("toy", forward_tree, draft, verify, max_nodes=60, max_depth=8,
+                            topks=(2, 4, 10), plain=(0.25, 0.0125))  # fmt: skip
     assert [c for c in calls if c[0] == "forward"] == [("forward", 4)]
-    assert ("draft", 1, 1, 10) not in calls
-    assert prof.target_s[1] == 0.25 and prof.verify_s[1] == 0.0125 and sorted(prof.target_s) == [1, 4]
+    assert ("draft", 1, 1, 10) not in calls and ("verify", 1) not in calls
+    assert prof.target_s[1] == 0.25 and prof.verify_s[1] == 0.0125
+    assert sorted(prof.target_s) == [1, 4]
 
 
 def test_the_first_step_under_an_estimate_is_plain_and_times_it(tiny, tmp_path, monkeypatch):

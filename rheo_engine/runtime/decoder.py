@@ -534,12 +534,7 @@ class BatchDecoder:
         differs (near their end) run as separate batches of the step: so a request gives its
         lone tokens in any batch. The auto tree picks one tree for the batch, priced for its
         size, within the room every sequence has and the most tokens any still wants."""
-        def room(s: SeqState) -> int:
-            return s.limit - self.pool.lengths[s.slot]
-
-        def wanted(s: SeqState) -> int:
-            return s.request.max_new_tokens - s.emitted
-
+        room, wanted = self._room, self._wanted
         group = seqs[0].group
         if group.drafts and group.source == "lookup":
             return self._plan_lookup(seqs, room, wanted)
@@ -583,15 +578,12 @@ class BatchDecoder:
             policy = self._policies.get(group)
             if not isinstance(policy, AutoTree) or policy.contradicted:
                 return None
-            lengths = self.pool.lengths
-            room, wanted, waiting = self.max_len, 0, 0
+            room, wanted = self.max_len, 0
             for s in seqs:
                 if self.drafter.length(s.slot) == 0:
                     return None
-                room = min(room, s.limit - lengths[s.slot])
-                wanted = max(wanted, s.request.max_new_tokens - s.emitted)
-                waiting = max(waiting, s.queued)
-            if not policy.rest(room, wanted, waiting, len(seqs)):
+                room, wanted = min(room, self._room(s)), max(wanted, self._wanted(s))
+            if not policy.rest(room, wanted, self._waiting(seqs), len(seqs)):
                 return None
         if not lookup:
             return [(seqs, PLAIN, policy)]
@@ -599,6 +591,15 @@ class BatchDecoder:
             s.lookup_rest -= 1
             s.cands = QUIET
         return [(seqs, PLAIN, None, "alone", 0)]
+
+    def _room(self, s: SeqState) -> int:
+        """Rows a sequence may still add (its limit less its slot's length)."""
+        return s.limit - self.pool.lengths[s.slot]
+
+    @staticmethod
+    def _wanted(s: SeqState) -> int:
+        """Tokens a sequence's request still wants."""
+        return s.request.max_new_tokens - s.emitted
 
     def _waiting(self, seqs: list[SeqState]) -> int:
         """The most pairs any of these sequences' steps queued for the head since it last

@@ -917,8 +917,7 @@ class AutoTree:
         if room > known[0] or wanted > known[1] or waiting_s < known[2]:
             return False
         # (_choose answers plain before its probe when fewer than 2 tokens are wanted)
-        due = wanted >= 2 and self.bound.method != "ar" and (
-            self.since_probe + 1 >= (self.probe_gap if self.probes else self.PROBE_FIRST))
+        due = wanted >= 2 and self.bound.method != "ar" and self.since_probe + 1 >= self._gap
         if due and self.cheapest_probe_s + waiting_s <= self._probe_limit():
             return False  # a probe may run: choose's search decides
         self.waiting_s = waiting_s
@@ -941,7 +940,7 @@ class AutoTree:
             rate, i, d, j = self._best(room, wanted, optimistic=False)
             paid = rate > self.MARGIN / plain_s
             self.plain_known = None if paid else (room, wanted, self.waiting_s)
-        if self.since_probe >= (self.probe_gap if self.probes else self.PROBE_FIRST):
+        if self.since_probe >= self._gap:
             self.since_probe = 0
             affordable = self.cheapest_probe_s + self.waiting_s <= self._probe_limit()
             probe = self._best(room, wanted, optimistic=True) if affordable else (-1.0, 0, 0, 0)
@@ -956,6 +955,11 @@ class AutoTree:
         if rate > self.MARGIN / plain_s:
             return self._tree(i, d, j)
         return PLAIN
+
+    @property
+    def _gap(self) -> int:
+        """Steps from the last probe (or the start) to the next: PROBE_FIRST before any."""
+        return self.probe_gap if self.probes else self.PROBE_FIRST
 
     def _probe_limit(self) -> float:
         """The most a probe may cost (its tree and the head's pass over the pairs waiting)
