@@ -965,6 +965,54 @@ def test_cost_learner_refines_forwards_drafting_and_calibration():
         learner.observe("tree", 1, 1.0, 1.0)
 
 
+def test_cost_learner_learns_verification_and_moves_drafting_with_the_forwards():
+    """Verification is learned as the forwards are (per sequence, at the node counts that ran);
+    drafting that no head tree measured moves with the forwards. So a contradicted profile's
+    scaling (CostProfile.scaled) is gone from every part once real steps ran: a kept profile
+    scaled by each process's contradiction had grown to 1e22 s of verification."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    def learned(estimate: CostProfile) -> CostProfile:
+        learner = CostLearner(estimate)
+        for _ in range(CostLearner.MIN_SAMPLES):
+            learner.observe("plain", 1, 1.5, 1.8, verify_s=0.3)
+            # a batch of 2 sequences' 2-node lookup trees: 4 rows, verifications 0.5 in all
+            learner.observe("lookup", 4, 3.0, 3.6, (1, 2, 0, 2), verify_s=0.5)
+        return learner._refined()
+
+    estimate = CostProfile("toy", {1: 1.0, 4: 2.0}, 0.1, {2: 0.1, 10: 0.2}, {1: 0.2, 4: 0.4})
+    prof = learned(estimate)
+    assert prof.verify_s[1] == pytest.approx(0.3) and prof.verify_s[2] == pytest.approx(0.25)
+    # past the largest count that ran: the estimate's curve times that count's ratio
+    assert prof.verify_s[4] == pytest.approx(0.4 * 0.25 / (0.2 + 0.2 / 3))
+    assert prof.draft_base_s == pytest.approx(0.15) and prof.level_s[10] == pytest.approx(0.3)
+    again = learned(estimate.scaled(7.0))  # contradicted: the same steps say the same
+    for name in ("target_s", "verify_s", "level_s"):
+        assert getattr(again, name) == pytest.approx(getattr(prof, name)), name
+    assert again.draft_base_s == pytest.approx(prof.draft_base_s)
+    bare = CostLearner(estimate)  # no verification observed: the estimate's, as it was
+    bare.observe("plain", 1, 1.5, 1.8)
+    assert bare._refined().verify_s == estimate.verify_s
+
+
+def test_a_profile_with_a_part_dearer_than_ten_forwards_is_doubted(tmp_path, monkeypatch):
+    """A verification or draft level priced over MAX_PART_RATIO target forwards of as many rows
+    is not kept, and a kept file holding one is estimated again."""
+    from rheo_engine.runtime.tree_policy import MAX_PART_RATIO, cached_profile, keep_profile
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path))
+    sane = CostProfile("toy", {1: 1e-3, 4: 2e-3}, 3e-4, {2: 1e-4}, {1: 2e-4, 4: 1e-4})
+    assert sane.doubts() == [] and keep_profile(sane) and cached_profile("toy") is not None
+    grown = dataclasses.replace(sane, verify_s={1: 1.0e22, 4: 5e21})
+    assert "a verification of 1 rows priced at 1e+25 ms" in grown.doubts()[0]
+    assert not keep_profile(grown)
+    path = next(tmp_path.glob("profiles/*.json"))
+    path.write_text(json.dumps(dataclasses.asdict(grown)))  # kept by an earlier version
+    assert cached_profile("toy") is None
+    level = dataclasses.replace(sane, level_s={2: 2e-3 * MAX_PART_RATIO})
+    assert "a draft level over 2 rows" in level.doubts()[0]
+
+
 def test_lookup_steps_are_priced_from_the_learned_profile():
     """costs_from_profile on a learned profile: the seconds of the plain and lookup steps that
     ran; other sizes the forward plus verification and the median excess of the lookup trees
@@ -986,6 +1034,14 @@ def test_lookup_steps_are_priced_from_the_learned_profile():
     # a profile with no learned steps: the forward and verification alone, as before
     bare = costs_from_profile(learner_estimate())
     assert bare.pinned and bare.cost(4) == pytest.approx(2.0)
+    # a plain step's median raised by noise above a 2-node tree's parts and excess: the tree
+    # still costs its extra row beyond the plain step (it had cost the same: trees promising
+    # 0.1 tokens ran at T = 1)
+    for _ in range(CostLearner.MIN_SAMPLES + 1):
+        learner.observe("plain", 1, 1.0, 5.0)
+    slow = costs_from_profile(learner._refined(), pinned=False)
+    assert slow.cost(1) == pytest.approx(5.0) and slow.cost(2) == pytest.approx(5.0 + 1 / 3)
+    assert slow.cost(3) == pytest.approx(5.0 + 2 / 3)
 
 
 def test_cost_learner_refreshes_every_few_steps_and_is_done_after_enough_trees(monkeypatch):

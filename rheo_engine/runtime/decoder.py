@@ -861,10 +861,10 @@ class BatchDecoder:
                seconds: float) -> None:  # fmt: skip
         """A step's times to the profile its group's auto tree learns (tree_policy.CostLearner):
         its kind (plain; the head's tree alone; a lookup tree alone; merged: ``lookup`` as in
-        _step), its target forward over its rows, its whole time, and a head tree's drafting,
-        both less the head's pass over the pairs that waited for it (priced apart:
-        AutoTree.waiting_s). The refined profile goes to every auto tree that learns with it; a
-        learned one is kept for later processes."""
+        _step), its target forward over its rows, its verifications, its whole time, and a head
+        tree's drafting, both less the head's pass over the pairs that waited for it (priced
+        apart: AutoTree.waiting_s). The refined profile goes to every auto tree that learns with
+        it; a learned one is kept for later processes."""
         policy = self._policies.get(seqs[0].group)
         learner = self.learners.get(policy.profile.key) if isinstance(policy, AutoTree) else None
         if learner is None:
@@ -879,7 +879,8 @@ class BatchDecoder:
             seconds -= backlog
             drafting = (result.times.tree_s - backlog) / batch
         rows = result.draft.tree.tokens.numel()
-        refined = learner.observe(kind, rows, result.times.target_s, seconds, shape, drafting)
+        refined = learner.observe(kind, rows, result.times.target_s, seconds, shape, drafting,
+                                  result.times.verify_s)  # fmt: skip
         if refined is None:
             return
         key = refined.key

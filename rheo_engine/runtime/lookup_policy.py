@@ -122,7 +122,8 @@ def costs_from_profile(profile, pinned: bool = True) -> StepCosts:
     plus a verification of n nodes, and where the profile learned real steps (lookup_s, from
     tree_policy.CostLearner) their seconds, elsewhere the sum plus what real steps took beyond
     it (a plain step's excess at n = 1; a lookup tree's, the median over the sizes that ran,
-    at n > 1: building the tree, its verification's bookkeeping). ``pinned`` for a request's
+    at n > 1: building the tree, its verification's bookkeeping), and a tree at least a plain
+    step plus its forward's and verification's growth. ``pinned`` for a request's
     own profile (which then reproduces its trees), not for the one the decoder learns (which
     each sequence's steps correct further: LocalCosts)."""
     sizes = sorted(set(SIZES) | set(profile.target_s))
@@ -136,6 +137,10 @@ def costs_from_profile(profile, pinned: bool = True) -> StepCosts:
     trees = [seen[n] - parts(n) for n in seen if n > 1]
     tree = statistics.median(trees) if trees else plain
     steps = {n: seen.get(n, parts(n) + (plain if n == 1 else tree)) for n in sizes}
+    # A tree does a plain step's work and its rows': never cheaper than that (a plain step's
+    # median of 5 that one slow step raised had priced 2-node trees at a plain step's cost,
+    # and at T = 1 trees promising 0.1 tokens ran; 2026-12-07)
+    steps = {n: max(s, steps[1] + parts(n) - parts(1)) if n > 1 else s for n, s in steps.items()}
     return StepCosts(f"from {profile.key}", monotone(steps), pinned=pinned,
                      trusted=getattr(profile, "trusted_rows", 0))  # fmt: skip
 

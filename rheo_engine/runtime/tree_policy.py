@@ -130,6 +130,11 @@ class FixedTree:
 # 0.46-2.02), or when a tree's real steps measured below 0.95 plain steps. The timings' spread
 # is reported, not a reason: on a shared machine a quiet profile can spread widely too.
 MAX_SCALE_RATIO = 2.5
+# Nor when a verification or a draft level is priced over this many times a target forward of
+# as many rows (the head is one layer, verification reads the logits the forward made): profiles
+# kept on a noisy host had grown to 1e22 s of verification, each contradiction scaling a part
+# that real steps never re-learned (CostLearner now learns it), 2026-12-07.
+MAX_PART_RATIO = 10.0
 
 
 @dataclass
@@ -242,6 +247,13 @@ class CostProfile:
         if scales and max(scales) > MAX_SCALE_RATIO * min(scales):
             out.append(f"calibration factors {min(scales):.2f}-{max(scales):.2f} disagree "
                        f"(x{max(scales) / min(scales):.1f} > x{MAX_SCALE_RATIO})")  # fmt: skip
+        parts = [("a verification of", n, v) for n, v in sorted(self.verify_s.items())]
+        parts += [("a draft level over", k, v) for k, v in sorted(self.level_s.items())]
+        for name, n, seconds in parts:
+            forward = self.target(n)
+            if forward > 0 and seconds > MAX_PART_RATIO * forward:
+                out.append(f"{name} {n} rows priced at {1e3 * seconds:.3g} ms, over "
+                           f"x{MAX_PART_RATIO:g} the target forward's {1e3 * forward:.3g} ms")
         plain, topk = self.plain_step_s(), min(self.level_s, default=1)
         for n, s in sorted(self.step_scale.items()):
             real = s * self.parts_s(1, n, topk)  # at least: the cheapest drafting
@@ -490,8 +502,12 @@ class CostLearner:
       times the measured / estimated ratio of the counts that ran (linear between them, the
       nearest one's beyond), written out at PROBE_SIZES past the largest count that ran (so
       the slope beyond it is the estimate's, not that of two neighbouring counts' noise).
+    - Verification (verify_s), per sequence at the node counts that ran: as the forwards.
     - Drafting (draft_base_s, level_s): the estimate's, times the median over the head's tree
-      shapes that ran alone (no lookup nodes merged) of measured / estimated.
+      shapes that ran alone (no lookup nodes merged) of measured / estimated; until one ran,
+      times the forwards' median measured / estimated (the same core's work under the same
+      load). So no part keeps a contradicted profile's scaling (CostProfile.scaled) once real
+      steps ran: scaled again by each later contradiction, kept profiles had compounded it.
     - Calibration (CostProfile.step_scale): per tree size that ran (plain steps and the head's
       trees alone), measured / predicted against the refined forwards and drafting.
     - Prompt lookup's steps (CostProfile.lookup_s): a plain step's seconds, and those of each
@@ -514,6 +530,7 @@ class CostLearner:
         self.drafts: dict[tuple[int, int], list[float]] = {}  # (depth, topk) -> measured / est.
         self.steps_s: dict[tuple[int, int, int, int], list[float]] = {}  # shape -> step seconds
         self.lookups: dict[int, list[float]] = {}  # nodes -> a lookup (1: plain) step's seconds
+        self.verifies: dict[int, list[float]] = {}  # nodes -> a sequence's verification seconds
         self.seen = self.pending = 0
 
     @property
@@ -523,15 +540,18 @@ class CostLearner:
 
     def observe(self, kind: str, rows: int, forward_s: float, seconds: float,
                 shape: tuple[int, int, int, int] = (0, 1, 0, 1), drafting_s: float = 0.0,
-                ) -> CostProfile | None:  # fmt: skip
+                verify_s: float | None = None) -> CostProfile | None:  # fmt: skip
         """A real step of ``kind``: "plain", "head" (the head's tree of ``shape``, (depth,
         nodes, topk, batch), alone), "lookup" (a lookup tree alone) or "merged" (the head's
         tree with lookup nodes). Its target forward over ``rows`` rows took ``forward_s``, the
-        step ``seconds``, a head tree's drafting ``drafting_s`` (per sequence). Returns the
+        step ``seconds``, a head tree's drafting ``drafting_s`` (per sequence), its
+        verifications ``verify_s`` (the batch's, over rows / batch nodes each). Returns the
         refined profile when one is made."""
         if kind not in self.KINDS:
             raise ValueError(f"kind={kind!r} is not one of {self.KINDS}")
         self._add(self.forwards, rows, forward_s)
+        if verify_s is not None:
+            self._add(self.verifies, max(1, rows // shape[3]), verify_s / shape[3])
         if kind == "plain":
             shape = (0, 1, 0, shape[3])
         if kind in ("plain", "head"):
@@ -564,31 +584,41 @@ class CostLearner:
 
     def _refined(self) -> CostProfile:
         est = self.estimate
-        measured = self._medians(self.forwards)
-        at = sorted(measured)
-        target_s = dict(est.target_s)
-        if at:
-            curve = running_max(est.target_s)  # est.target(n), its running maximum made once
-            ratios = [measured[r] / extrapolated(curve, r) for r in at]
-            beyond = [n for n in PROBE_SIZES if n > at[-1]]
-            sizes = sorted({*est.target_s, *at, *beyond})
-            scaled = np.interp(sizes, at, ratios).tolist()
-            target_s = {n: measured.get(n, extrapolated(curve, n) * r)
-                        for n, r in zip(sizes, scaled, strict=True)}  # fmt: skip
-        profile = dataclasses.replace(est, target_s=target_s, step_scale={}, spread={},
-                                      lookup_s=self._medians(self.lookups))  # fmt: skip
+        target_s, moved = _learned_curve(est.target_s, self._medians(self.forwards))
+        verify_s, _ = _learned_curve(est.verify_s, self._medians(self.verifies))
+        profile = dataclasses.replace(est, target_s=target_s, verify_s=verify_s, step_scale={},
+                                      spread={}, lookup_s=self._medians(self.lookups))  # fmt: skip
         if est.trusted_rows and self.forwards:  # the largest forward that ran, doubled
             profile.trusted_rows = max(est.trusted_rows, 2 * max(self.forwards))
         drafts = self._medians(self.drafts)
-        if drafts:
-            ratio = statistics.median(drafts.values())
-            profile.draft_base_s = est.draft_base_s * ratio
-            profile.level_s = {k: v * ratio for k, v in est.level_s.items()}
+        ratio = statistics.median(drafts.values()) if drafts else moved
+        profile.draft_base_s = est.draft_base_s * ratio
+        profile.level_s = {k: v * ratio for k, v in est.level_s.items()}
         scales: dict[int, list[float]] = {}
         for (depth, n, topk, batch), seconds in self._medians(self.steps_s).items():
             scales.setdefault(n, []).append(seconds / profile.parts_s(depth, n, topk, batch))
         profile.step_scale = {n: statistics.median(v) for n, v in scales.items()}
         return profile
+
+
+def _learned_curve(curve_s: dict[int, float], measured: dict[int, float],
+                   ) -> tuple[dict[int, float], float]:  # fmt: skip
+    """An estimate's seconds by size where real steps measured some sizes (CostLearner): their
+    medians there; elsewhere the estimate (made non-decreasing) times the measured / estimated
+    ratio, linear between the sizes that ran and the nearest one's beyond, written out at
+    PROBE_SIZES past the largest (so the slope beyond it is the estimate's, not that of two
+    neighbouring sizes' noise). Also the median ratio (1.0 where none ran or none compares)."""
+    curve = running_max(curve_s)
+    at = [n for n in sorted(measured) if extrapolated(curve, n) > 0]
+    if not at:
+        return {**curve_s, **measured}, 1.0
+    ratios = [measured[n] / extrapolated(curve, n) for n in at]
+    beyond = [n for n in PROBE_SIZES if n > at[-1]]
+    sizes = sorted({*curve_s, *measured, *beyond})
+    scaled = np.interp(sizes, at, ratios).tolist()
+    learned = {n: measured.get(n, extrapolated(curve, n) * r)
+               for n, r in zip(sizes, scaled, strict=True)}  # fmt: skip
+    return learned, statistics.median(ratios)
 
 
 # Real steps timed to calibrate a profile: (depth, nodes) from a plain step to the largest tree,
