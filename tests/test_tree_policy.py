@@ -995,6 +995,21 @@ def test_cost_learner_learns_verification_and_moves_drafting_with_the_forwards()
     assert bare._refined().verify_s == estimate.verify_s
 
 
+def test_cost_learner_takes_the_faster_of_two_samples():
+    """Two samples of a size: the faster, not their mean (a load only adds time; one slow
+    3-row forward had priced 3-node lookup trees at 2.3x their cost, and the profile kept it);
+    of three, the middle."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    learner = CostLearner(learner_estimate())
+    learner.observe("lookup", 3, 1.0, 1.2, (1, 3, 0, 1), verify_s=0.1)
+    learner.observe("lookup", 3, 3.4, 3.8, (1, 3, 0, 1), verify_s=0.5)
+    prof = learner._refined()
+    assert prof.target_s[3] == 1.0 and prof.lookup_s == {3: 1.2} and prof.verify_s[3] == 0.1
+    learner.observe("lookup", 3, 2.0, 2.2, (1, 3, 0, 1), verify_s=0.2)
+    assert learner._refined().target_s[3] == 2.0
+
+
 def test_a_profile_with_a_part_dearer_than_ten_forwards_is_doubted(tmp_path, monkeypatch):
     """A verification or draft level priced over MAX_PART_RATIO target forwards of as many rows
     is not kept, and a kept file holding one is estimated again."""
