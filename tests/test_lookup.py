@@ -686,11 +686,12 @@ def test_the_bound_covers_every_trie():
 
 def test_no_tree_pays_only_where_choose_nodes_takes_a_plain_step():
     """Whenever no_tree_pays says so, choose_nodes (over the real trie) takes a plain step; both
-    answers occur on random contexts, evidence, costs, rooms and wants."""
-    from rheo_engine.runtime.lookup_policy import no_tree_pays
+    answers occur on random contexts, evidence, costs, rooms and wants; and it says so where
+    pricing every depth's mass at a 2-node tree (the bound before 2026-12-07) could not."""
+    from rheo_engine.runtime.lookup_policy import MARGIN, accepted_bound, no_tree_pays
 
     gen = torch.Generator().manual_seed(6)
-    skipped = trees = 0
+    skipped = trees = tighter = 0
     for _ in range(400):
         tokens = torch.randint(0, 3, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen)
         index, stats = LookupIndex(tokens.tolist()), random_stats(gen)
@@ -702,8 +703,10 @@ def test_no_tree_pays_only_where_choose_nodes_takes_a_plain_step():
         if no_tree_pays(stats, costs, room, wanted, 24, 8, lengths, scale):
             assert n == 1
             skipped += 1
+            mass = scale * accepted_bound(stats, min(8, wanted - 1), lengths)
+            tighter += min(room, wanted) >= 2 and (1 + mass) / costs.cost(2) > MARGIN
         trees += n > 1
-    assert skipped > 40 and trees > 40, (skipped, trees)
+    assert skipped > 40 and trees > 40 and tighter > 10, (skipped, trees, tighter)
 
 
 def test_skipping_hopeless_tries_changes_no_step(target_only, monkeypatch):

@@ -1178,16 +1178,18 @@ def _state(policy: AutoTree) -> dict:
 def test_rest_is_choose_where_it_answers():
     """AutoTree.rest (the decoder's plain step not planned) leaves the policy exactly as choose
     would where it answers, and changes nothing where it declines: over random histories of
-    trees, plain steps, probes (affordable or not), room, tokens wanted and backlog."""
+    trees, plain steps, probes (affordable or not), room, tokens wanted and backlog, a kept
+    profile's check (half the policies) whose steps may contradict it."""
     import copy
 
     rng = np.random.default_rng(0)
-    rested = declined = skipped = 0
+    rested = declined = skipped = checked = 0
     for trial in range(40):
         cost = float(rng.uniform(1.0, 4.0))
         target_s = {1: 1.0, 2: 1.0 + 0.1 * cost, 16: cost * 2.0}
         levels = {2: 0.02 * cost, 4: 0.04 * cost, 10: 0.1 * cost}  # a backlog costs its rows
-        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0}))
+        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0}),
+                          check=trial % 2 == 1)  # fmt: skip
         room = wanted = 200
         for step in range(120):
             room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
@@ -1202,6 +1204,7 @@ def test_rest_is_choose_where_it_answers():
                 assert twin.choose(room, wanted, waiting).method == "ar"
                 assert _state(policy) == _state(twin)
                 rested += 1
+                checked += policy.checks is not None
                 skipped += due and wanted >= 2  # a probe due that the budget did not afford
                 continue
             declined += 1
@@ -1210,6 +1213,7 @@ def test_rest_is_choose_where_it_answers():
             if cfg.method != "ar":  # a tree or a probe: what it accepted, in what time
                 accepted = [1, 5, 9][: int(rng.integers(0, 4))]
                 policy.observe(GROWN, outcome(accepted), float(rng.uniform(1.0, 3.0 * cost)))
-            else:
-                policy.observe(cfg, outcome([]), 1.0)
+            else:  # a plain step: its time checks a kept profile (x2: contradicted)
+                policy.observe(cfg, outcome([]), float(rng.choice([1.0, 2.0])) * cost)
     assert rested > 500 and declined > 500 and skipped > 20, (rested, declined, skipped)
+    assert checked > 20, checked

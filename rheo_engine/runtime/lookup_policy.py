@@ -216,30 +216,38 @@ def accepted_bound(stats: LookupStats, depth: int, lengths) -> float:
     the match that made it): a node's estimate is the product of the continuation rates and
     shares down its path (spec.lookup.candidates), the shares of one parent's children sum to
     at most 1, so the estimates of a depth's nodes sum to at most the depth above's times the
-    best rate of that depth. Depths from LookupStats.DEPTHS on share one rate per n."""
-    if not lengths:
-        return 0.0
-    total, along = 0.0, 1.0
-    for d in range(1, min(depth, LookupStats.DEPTHS) + 1):
-        rate = max(stats.rate(n, d) for n in lengths)
-        along *= rate
-        total += along
-    if depth > LookupStats.DEPTHS:  # the rest share the last depth's rate: a geometric sum
-        rest = depth - LookupStats.DEPTHS
-        total += along * (rate * (1.0 - rate**rest) / (1.0 - rate) if rate < 1.0 else rest)
+    best rate of that depth."""
+    total = 0.0
+    for total in _masses(stats, depth, lengths):
+        pass
     return total
+
+
+def _masses(stats: LookupStats, depth: int, lengths):
+    """accepted_bound at depths 1, 2, ... ``depth`` in turn (none without lengths)."""
+    total, along = 0.0, 1.0
+    for d in range(1, depth + 1 if lengths else 1):  # (past DEPTHS the last cell: LookupStats)
+        along *= max(stats.rate(n, d) for n in lengths)
+        total += along
+        yield total
 
 
 def no_tree_pays(stats: LookupStats, costs: StepCosts | LocalCosts, room: int, wanted: int,
                  max_nodes: int, max_depth: int, lengths, scale: float = 1.0) -> bool:  # fmt: skip
-    """Whether choose_nodes must return a plain step for any trie of matches of ``lengths``:
-    even a tree whose nodes held accepted_bound's mass, at the cheapest tree's cost, stays
-    within MARGIN of a plain step (costs are monotone in n), or no tree fits. Exact: the
-    decoder then skips building the trie (a plain step's evidence needs its first depth only)."""
-    if min(room, max_nodes) < 2 or min(max_depth, wanted - 1) < 1:
-        return True
-    bound = scale * accepted_bound(stats, min(max_depth, wanted - 1), lengths) * (1.0 + 1e-9)
-    return (1.0 + bound) / costs.cost(2) <= MARGIN / costs.cost(1)
+    """Whether choose_nodes must return a plain step for any trie of matches of ``lengths``: a
+    tree that reaches depth D holds at least D + 1 rows (a chain) and accepts at most
+    accepted_bound(stats, D, lengths) (its nodes no deeper than D), so for no D does even that
+    mass at that chain's cost (costs are monotone in n) beat a plain step by MARGIN; or no tree
+    fits. Exact: the decoder then skips building the trie (a plain step's evidence needs its
+    first depth only). Until 2026-12-07 every depth's mass was priced at a 2-node tree's cost:
+    at T = 1 the prior (0.5) of the deeper cells, which only trees try, then kept the bound
+    above a plain step's rate in 39% of the default pair's steps, and each of them planned."""
+    deepest = min(max_depth, wanted - 1, min(room, max_nodes) - 1)
+    plain = MARGIN / costs.cost(1)
+    for d, mass in enumerate(_masses(stats, deepest, lengths), start=1):
+        if (1.0 + scale * mass * (1.0 + 1e-9)) / costs.cost(d + 1) > plain:
+            return False
+    return True
 
 
 def promised(cands: Candidates, n: int, wanted: int) -> float:

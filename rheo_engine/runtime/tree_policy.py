@@ -941,11 +941,12 @@ class AutoTree:
         could change that moved (plain_known: the room and the tokens wanted no larger, the
         head's backlog no cheaper), no probe that the budget affords is due at this step (one
         it cannot afford is skipped as _choose skips it: the gap counted from here), none waits
-        to be settled, and no kept profile is being checked. Returns True with choose's state
-        after a plain answer, or False having changed nothing (then choose). The decoder asks it
-        before it plans a step: a plain step's plan, made cheap."""
+        to be settled. A kept profile's check (observe) reads the same predicted plain time
+        after either. Returns True with choose's state after a plain answer, or False having
+        changed nothing (then choose). The decoder asks it before it plans a step: a plain
+        step's plan, made cheap (the decoder never asks a contradicted policy)."""
         known = self.plain_known
-        if known is None or batch != self.batch or self.probe_tokens or self.checks is not None:
+        if known is None or batch != self.batch or self.probe_tokens:
             return False
         waiting_s = self.profile.waiting_s(waiting * batch)
         if room > known[0] or wanted > known[1] or waiting_s < known[2]:
