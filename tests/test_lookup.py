@@ -63,6 +63,11 @@ def test_incremental_equals_built_at_once():
     whole = LookupIndex(tokens)
     assert grown.table == whole.table
     assert grown.matches(5, 4) == whole.matches(5, 4)
+    # each n-gram keeps the positions after its latest `keep` occurrences, oldest first
+    for key, where in whole.table.items():
+        n = len(key)
+        after = [i for i in range(n, len(tokens)) if tuple(tokens[i - n : i]) == key]
+        assert where == after[-whole.keep :], key
 
 
 def test_match_cost_does_not_grow_with_the_context():

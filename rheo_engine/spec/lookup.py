@@ -21,7 +21,6 @@ Llama, of costs or of the decoder.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -35,24 +34,30 @@ KEEP = 4  # occurrences kept per n-gram (the latest ones)
 
 class LookupIndex:
     """The n-grams (n = 1..max_n) of one sequence's tokens, each mapped to the positions that
-    followed its ``keep`` latest occurrences. ``extend`` costs O(max_n) per token."""
+    followed its ``keep`` latest occurrences (a list, oldest first). ``extend`` costs O(max_n)
+    per token."""
 
     def __init__(self, tokens: list[int] = (), max_n: int = MAX_N, keep: int = KEEP) -> None:
         self.max_n, self.keep = max_n, keep
         self.tokens: list[int] = []
-        self.table: dict[tuple[int, ...], deque[int]] = {}
+        self.table: dict[tuple[int, ...], list[int]] = {}
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
-        seq, table = self.tokens, self.table
+        # Lists, not deque(maxlen=keep): a deque is 760 bytes, most n-grams occur once, and
+        # three new ones a token (~2 KB) had made the target forward after it slower.
+        seq, table, keep = self.tokens, self.table, self.keep
         for t in tokens:
             i = len(seq)  # t's position: it followed the n-grams ending at i - 1
             for n in range(1, min(self.max_n, i) + 1):
                 key = tuple(seq[i - n : i])
                 where = table.get(key)
                 if where is None:
-                    where = table[key] = deque(maxlen=self.keep)
-                where.append(i)
+                    table[key] = [i]
+                else:
+                    where.append(i)
+                    if len(where) > keep:
+                        del where[0]
             seq.append(int(t))
 
     def repeats(self) -> bool:
