@@ -725,6 +725,52 @@ def test_a_contradicted_profile_is_learned_again_without_measuring(tiny, tmp_pat
     assert engine.cost_profiles[new.key].key == new.key
 
 
+def test_contradictions_in_process_after_process_do_not_compound(tiny, tmp_path, monkeypatch):
+    """Each process reads the kept profile, its check contradicts it (forced: 2x off), the
+    profile is scaled and learned again from the real steps and kept. No part keeps the
+    scaling: the kept times stay near the first kept ones (verification and drafting had
+    doubled with every process, forwards re-learned: kept files on a noisy host had reached
+    1e22 s of verification)."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RHEO_COSTS", raising=False)
+    monkeypatch.setattr(CostLearner, "MAX_STEPS", 6)  # final (and kept) after 6 steps
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
+    small = dict(topk=4, depth=3, total_tokens=8, drafts="head")
+
+    def process() -> dict:
+        engine = Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+        engine.generate(PROMPT, 24, temperature=1.0, seed=3, ignore_eos=True, **small)
+        (kept,) = (tmp_path / "cache").glob("profiles/*.json")
+        return json.loads(kept.read_text())
+
+    first = process()
+    real_check = AutoTree._check
+
+    def twice_off(self, seconds):  # every check reads the steps 2x their price
+        real_check(self, 2.0 * seconds)
+
+    scalings = []
+    real_scaled = CostProfile.scaled
+
+    def scaled(self, ratio):
+        scalings.append(ratio)
+        return real_scaled(self, ratio)
+
+    monkeypatch.setattr(AutoTree, "_check", twice_off)
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", 1.5)
+    monkeypatch.setattr(CostProfile, "scaled", scaled)
+    for _ in range(5):
+        last = process()
+    assert len(scalings) >= 5 and min(scalings) > 1.5, scalings
+    for name in ("verify_s", "level_s"):
+        for k, v in first[name].items():
+            if v > 0:
+                assert last[name][k] < 8 * v, (name, k, first[name][k], last[name][k])
+    assert last["draft_base_s"] < 8 * first["draft_base_s"]
+
+
 def test_plain_steps_of_both_drafts_check_a_kept_profile(tiny, tmp_path, monkeypatch):
     """drafts "both" (the default): its plain steps run through prompt lookup's plan, yet their
     times check a kept profile (a profile measured under another load had priced every
