@@ -87,12 +87,16 @@ def checking() -> Iterator[None]:
         raise BadInput(str(e)) from e
 
 
-# Set by a bench's ``__main__`` block: its heap is frozen once its pair is loaded (load_pair).
+# A bench run as a script (cli's ``freeze``): its heap is frozen once its pair is loaded
+# (load_pair).
 FREEZE_HEAP = False
 
 
-def cli(main: Callable[[list[str]], object], argv: list[str]) -> None:
-    """Run a bench's ``main``: bad input ends in one line on stderr and exit status 2."""
+def cli(main: Callable[[list[str]], object], argv: list[str], freeze: bool = False) -> None:
+    """Run a bench's ``main``: bad input ends in one line on stderr and exit status 2.
+    ``freeze``: the bench runs as a script, its own process (load_pair freezes its heap)."""
+    global FREEZE_HEAP
+    FREEZE_HEAP = freeze
     prog = Path(sys.argv[0]).name
     try:
         main(argv)

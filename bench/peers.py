@@ -280,7 +280,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    import inputs
-
-    inputs.FREEZE_HEAP = True  # a script: the load's objects out of every full collection
-    cli(main, sys.argv[1:])
+    cli(main, sys.argv[1:], freeze=True)  # a script: the load's objects out of every collection
