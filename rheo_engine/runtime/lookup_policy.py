@@ -136,11 +136,13 @@ def costs_from_profile(profile, pinned: bool = True) -> StepCosts:
     plain = seen[1] - parts(1) if 1 in seen else 0.0
     trees = [seen[n] - parts(n) for n in seen if n > 1]
     tree = statistics.median(trees) if trees else plain
-    steps = {n: seen.get(n, parts(n) + (plain if n == 1 else tree)) for n in sizes}
+    at = {n: parts(n) for n in sizes}
+    one = seen.get(1, at[1] + plain)
     # A tree does a plain step's work and its rows': never cheaper than that (a plain step's
     # median of 5 that one slow step raised had priced 2-node trees at a plain step's cost,
     # and at T = 1 trees promising 0.1 tokens ran; 2026-12-07)
-    steps = {n: max(s, steps[1] + parts(n) - parts(1)) if n > 1 else s for n, s in steps.items()}
+    steps = {n: one if n == 1 else max(seen.get(n, at[n] + tree), one + at[n] - at[1])
+             for n in sizes}  # fmt: skip
     return StepCosts(f"from {profile.key}", monotone(steps), pinned=pinned,
                      trusted=getattr(profile, "trusted_rows", 0))  # fmt: skip
 
