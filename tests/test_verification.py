@@ -285,6 +285,60 @@ def test_root_only_is_plain_sampling(T, top_p, top_k):
                                    top_k), rtol=0, atol=1e-14)  # fmt: skip
 
 
+# --- a real vocabulary -----------------------------------------------------------------------
+
+REAL_V = 49152  # SmolLM2's vocabulary: the CPU kernel's passes over V are what a step pays
+
+
+def lm_like_trees(seed: int, dtype: torch.dtype, kind: str):
+    """random_trees at REAL_V with logits shaped as ``kind``: "peaked" (a language model's: a
+    few tokens hold most of p), "flat" (p spread over thousands of tokens), "tied" (few distinct
+    values: the top-p cut falls inside a tie group)."""
+    logits, tokens, parents, sampled, q_ids, q_tilde = random_trees(
+        2, 6, REAL_V, seed=seed, dtype=torch.float64,
+        scale={"peaked": 8.0, "flat": 1.0, "tied": 3.0}[kind])  # fmt: skip
+    if kind == "tied":
+        logits = logits.round()
+    return logits.to(dtype), tokens, parents, sampled, q_ids, q_tilde.to(_acc(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "tied"])
+def test_a_real_vocabulary_walks_as_the_reference(dtype, kind):
+    """At 49,152 tokens the CPU kernel takes its large-vocabulary shortcuts (the argmax read in
+    place at T = 0, top-p sorting only the tokens above a threshold of p_max / 16^j, the final
+    draw over what top-p kept; csrc/cpu/verification_target.cpp): the same walk as the
+    reference, token for token, for every method."""
+    settings = [(0.0, 1.0, 0), (1.0, 0.9, 0), (0.7, 0.5, 0), (1.0, 0.99, 50), (1.0, 1.0, 0),
+                (1.0, 1.0 - 1e-10, 0)]  # the last: no threshold holds the mass (all sorted)
+    seed = ["peaked", "flat", "tied"].index(kind) * 10 + (dtype == torch.bfloat16)
+    args = lm_like_trees(seed, dtype, kind)
+    for (T, top_p, top_k), method in itertools.product(settings, METHODS):
+        got = kernels.verification(*args, method, T, top_p, top_k, seed=seed, step=1)
+        want = reference.verification_ref(*args, method, T, top_p, top_k, seed=seed, step=1)
+        case = (T, top_p, top_k, method)
+        assert torch.equal(got.accept_path, want[0]), case
+        assert torch.equal(got.bonus_token, want[2]), case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_takes_the_first_of_equal_zeros(dtype):
+    """T = 0 emits the lowest id among the largest logits, and -0.0 equals +0.0 there (the float
+    path reads keys in which -0.0 ranks below +0.0): a -0.0 before a +0.0 wins, in the 16-lane
+    body and in the tail."""
+    for V, first, second in [(64, 3, 40), (64, 40, 3), (70, 66, 68), (70, 68, 66), (40, 5, 37)]:
+        logits = torch.full((1, 1, V), -1.0, dtype=dtype)
+        logits[0, 0, first], logits[0, 0, second] = -0.0, 0.0
+        z = torch.zeros(1, 1, dtype=torch.int32)
+        out = kernels.verification(logits, z, z - 1, z - 1, torch.zeros(0, 1, dtype=torch.int32),
+                                   torch.zeros(0, 1, dtype=_acc(dtype)), "rheo", 0.0)  # fmt: skip
+        assert out.bonus_token.tolist() == [min(first, second)], (V, first, second)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # --- rounding guard ------------------------------------------------------------------------
 
 

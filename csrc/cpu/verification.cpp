@@ -94,6 +94,24 @@ int32_t run_layer(const VerificationArgs& a, const TreeView& t, int64_t node, Re
 // Final draw: inverse CDF over ids in increasing order, the smallest v with
 // cumsum_{u <= v} w(u) > coin * sum(w) (header "Coins").
 int32_t draw_from(const Residual& r, double coin) {
+  // One positive weight: every coin's inverse CDF lands on it (also where coin * total rounds
+  // up to total: the loop below returns the last positive id).
+  if (r.nnz == 1 && r.one >= 0 && r.w[r.one] > 0.0) return static_cast<int32_t>(r.one);
+  if (r.support != nullptr) {  // the same sums: the weights off the support are zeros
+    double total = 0.0;
+    for (int64_t j = 0; j < r.support_n; ++j) total += r.w[r.support[j]];
+    const double target = coin * total;
+    double cum = 0.0;
+    int32_t last = 0;
+    for (int64_t j = 0; j < r.support_n; ++j) {
+      const int32_t v = r.support[j];
+      if (r.w[v] <= 0.0) continue;
+      cum += r.w[v];
+      last = v;
+      if (cum > target) return last;
+    }
+    return last;
+  }
   double total = 0.0;
   for (int64_t v = 0; v < r.V; ++v) total += r.w[v];
   const double target = coin * total;
@@ -123,7 +141,7 @@ bool walk_tree(const VerificationArgs& a, int64_t b, Workspace& ws, BadLogit* ba
   while (true) {
     Residual r;
     if (!prepare_node(a, b, node, ws, r, bad)) return false;
-    const int32_t child = run_layer(a, t, node, r, ws.order.get(),
+    const int32_t child = run_layer(a, t, node, r, ws.order.get(a.N),
                                     [&](int64_t j, int32_t, double num, double den, bool forced) {
                                       return forced || coin(j) * den < num;
                                     });
@@ -147,7 +165,7 @@ bool law_tree(const VerificationArgs& a, int64_t b, Workspace& ws, BadLogit* bad
     Residual r;
     if (!prepare_node(a, b, node, ws, r, bad)) return false;
     double reach = 1.0;  // P(all tests so far rejected | node visited)
-    const int32_t stop = run_layer(a, t, node, r, ws.order.get(),
+    const int32_t stop = run_layer(a, t, node, r, ws.order.get(a.N),
                                    [&](int64_t, int32_t child, double num, double den, bool forced) {
                                      const double acc =
                                          forced ? 1.0 : std::min(1.0, std::max(0.0, num / den));
@@ -171,7 +189,7 @@ void for_each_tree(const VerificationArgs& a, Fn fn) {
   std::vector<char> failed(a.B, 0);
 #pragma omp parallel if (a.B > 1)
   {
-    Workspace ws(a.V, a.N);
+    Workspace& ws = workspace(a.V, a.N);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < a.B; ++b) failed[b] = !fn(b, ws, &bad[b]);
   }
@@ -183,6 +201,13 @@ void for_each_tree(const VerificationArgs& a, Fn fn) {
 }
 
 }  // namespace
+
+Workspace& workspace(int64_t V, int64_t N) {
+  thread_local Workspace ws;
+  ws.V = V, ws.N = N;
+  return ws;
+}
+
 }  // namespace verification_detail
 
 using verification_detail::BadLogit;

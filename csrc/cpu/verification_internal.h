@@ -22,16 +22,43 @@ struct TreeView {
   const int32_t* sampled_row;  // [N]
 };
 
-struct Workspace {  // uninitialised buffers: every use writes before it reads
-  std::unique_ptr<double[]> x;       // [V] logits / T of the visited node
-  std::unique_ptr<double[]> w;       // [V] residual weights, r = w / Z
-  std::unique_ptr<double[]> sorted;  // [V] top-k selection scratch
-  std::unique_ptr<int32_t[]> ids;    // [V] top-p candidate ids
-  std::unique_ptr<int32_t[]> order;  // [N] children in verification order
-  Workspace(int64_t V, int64_t N)
-      : x(new double[V]), w(new double[V]), sorted(new double[V]), ids(new int32_t[V]),
-        order(new int32_t[N]) {}
+// A top-p candidate: its probability and id, compared in place (not through p[id]).
+struct Candidate {
+  double p;
+  int32_t id;
 };
+
+// A buffer grown on first use to the largest size asked, never shrunk, uninitialised: every use
+// writes before it reads.
+template <typename T>
+class Buffer {
+ public:
+  T* get(int64_t n) {
+    if (size_ < n) data_.reset(new T[n]), size_ = n;
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t size_ = 0;
+};
+
+// One per thread, kept between calls (workspace()): at a 49k-token vocabulary a buffer of V
+// doubles is 393 KB, which each call allocated and faulted in anew before. Each buffer is made
+// where a call first needs it (w always; x for float64 logits, sorted for top-k, cands and
+// support for top-p), so a greedy fp32 step holds w alone.
+struct Workspace {
+  int64_t V = 0, N = 0;         // the call's sizes
+  Buffer<double> x;             // [V] logits / T of the visited node
+  Buffer<double> w;             // [V] residual weights, r = w / Z
+  Buffer<double> sorted;        // [V] top-k selection scratch
+  Buffer<Candidate> cands;      // [V] top-p candidates above the threshold
+  Buffer<int32_t> support;      // [V] the ids top-p kept, in id order
+  Buffer<int32_t> order;        // [N] children in verification order
+};
+
+// This thread's workspace with room for V tokens and N nodes.
+Workspace& workspace(int64_t V, int64_t N);
 
 // The residual r = w / Z of one layer (Algorithm 1's r).
 struct Residual {
@@ -40,6 +67,14 @@ struct Residual {
   int64_t nnz;   // #{v : w[v] > 0}, exact: the rounding guard reads it
   int64_t V;
   double Z0;     // sum(w) of p itself: 1 when p is normalised (fp64), else the softmax sum
+  // Where p is one-hot (T = 0): its token. While nnz == 1 and w[one] > 0 it is the only
+  // positive weight (the layer's updates never make another), so the final draw needs no pass.
+  int64_t one = -1;
+  // Where top-p cut p: the ids it kept, in id order (support_n of them), a superset of the
+  // positive weights (the layer's updates only lower weights), so the final draw reads only
+  // them (nullptr: all of [0, V)).
+  const int32_t* support = nullptr;
+  int64_t support_n = 0;
 };
 
 // First non-finite logit of a visited node, reported after the parallel region.
