@@ -55,7 +55,15 @@ struct Workspace {
   Buffer<Candidate> cands;      // [V] top-p candidates above the threshold
   Buffer<int32_t> support;      // [V] the ids top-p kept, in id order
   Buffer<int32_t> order;        // [N] children in verification order
+  // What a greedy call left in w: zeros in [0, zeroed_n) of the buffer at `zeroed` but at
+  // zeroed_one (-1: none); the next one-hot clears that one entry instead of writing V zeros
+  // (one_hot). Calls that write w otherwise forget it (zeroed = nullptr).
+  double* zeroed = nullptr;
+  int64_t zeroed_n = 0, zeroed_one = -1;
 };
+
+// p one-hot on `best` in ws.w, as a zero-filled [V] buffer with a 1 there.
+double* one_hot(Workspace& ws, int64_t V, int64_t best);
 
 // This thread's workspace with room for V tokens and N nodes.
 Workspace& workspace(int64_t V, int64_t N);

@@ -262,11 +262,10 @@ void process_target(const VerificationArgs& a, Workspace& ws, Residual& r) {
   double* p = ws.w.get(V);
   if (a.T == 0.0) {  // greedy: one-hot on the argmax, lowest id on ties
     const int64_t best = argmax_first(x, V);
-    std::fill(p, p + V, 0.0);
-    p[best] = 1.0;
-    r = {p, 1.0, 1, V, 1.0, best};
+    r = {one_hot(ws, V, best), 1.0, 1, V, 1.0, best};
     return;
   }
+  ws.zeroed = nullptr;  // p is written below
   double kth = -std::numeric_limits<double>::infinity();  // top-k: keep x >= k-th largest
   if (a.top_k > 0 && a.top_k < V) {
     double* sorted = ws.sorted.get(V);
@@ -422,10 +421,7 @@ bool greedy_target(const VerificationArgs& a, const Elem* x, Workspace& ws, Resi
     bad->value = load1(x, bad->token);
     return false;
   }
-  double* p = ws.w.get(a.V);
-  std::fill(p, p + a.V, 0.0);
-  p[best] = 1.0;
-  r = {p, 1.0, 1, a.V, 1.0, best};
+  r = {one_hot(ws, a.V, best), 1.0, 1, a.V, 1.0, best};
   return true;
 }
 
@@ -449,6 +445,7 @@ bool float_target(const VerificationArgs& a, const Elem* x, Workspace& ws, Resid
     kth_key = cpu::order_key(kth == 0.0f ? -0.0f : kth);  // -0.0 ties with a k-th of +0.0
   }
   double* w = ws.w.get(V);
+  ws.zeroed = nullptr;  // written below
   int64_t nnz;
   const float inv_T = static_cast<float>(1.0 / a.T);
   const double sum = exp_fn(x, V, cpu::key_to_float(max_key), inv_T, kth_key, w, &nnz);
@@ -468,6 +465,21 @@ bool float_target(const VerificationArgs& a, const Elem* x, Workspace& ws, Resid
 }
 
 }  // namespace
+
+// The walk after a one-hot only zeroes weights or lowers the one (run_layer: a rejected child's
+// weight, max(0, w - Z q~) on q~'s support), so only `best` can be non-zero when it ends.
+double* one_hot(Workspace& ws, int64_t V, int64_t best) {
+  double* p = ws.w.get(V);
+  if (ws.zeroed == p && ws.zeroed_n >= V) {
+    if (ws.zeroed_one >= 0) p[ws.zeroed_one] = 0.0;
+  } else {
+    std::fill(p, p + V, 0.0);
+    ws.zeroed = p, ws.zeroed_n = V;
+  }
+  p[best] = 1.0;
+  ws.zeroed_one = best;
+  return p;
+}
 
 // Steps 0 and 1 at `node` of tree b, on the float path where it applies. False on NaN/inf.
 bool prepare_node(const VerificationArgs& a, int64_t b, int64_t node, Workspace& ws, Residual& r,

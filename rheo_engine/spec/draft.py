@@ -8,6 +8,7 @@ are float32 sums of log proxies; the tie rule lives in the kernels (common.h ran
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -68,23 +69,32 @@ def pool_kind(method: str, temperature: float) -> kernels.PoolKind:
 
 
 def root_only_tree(root_tokens: torch.Tensor, prefix_len: torch.Tensor) -> DraftTree:
-    """The tree of method ``ar``: just the root, so verification is plain sampling from p."""
+    """The tree of method ``ar``: just the root, so verification is plain sampling from p.
+
+    Every plain step makes one, and after a target forward has streamed the weights through the
+    caches each small tensor operator costs a CPU ~5-10 µs: so the copies are made in one
+    operator each, and the empty q~ table (nothing to write in it) is made once per device."""
     B = root_tokens.shape[0]
     dev = root_tokens.device
     i32 = dict(dtype=torch.int32, device=dev)
     tree = kernels.Tree(
-        tokens=root_tokens.to(torch.int32).view(B, 1).clone(),
+        tokens=root_tokens.to(torch.int32, copy=True).view(B, 1),
         parents=torch.full((B, 1), -1, **i32),
         depth=torch.zeros(B, 1, **i32),
-        positions=prefix_len.to(torch.int32).view(B, 1).clone(),
+        positions=prefix_len.to(torch.int32, copy=True).view(B, 1),
         sampled_row=torch.full((B, 1), -1, **i32),
         cand_index=torch.full((B, 1), -1, **i32),
         tree_mask=torch.ones(B, 1, 1, dtype=torch.uint8, device=dev),
         retrieve_indices=torch.zeros(B, 1, 1, **i32),
         n_leaves=torch.ones(B, **i32),
     )
-    empty = torch.zeros(0, 1, **i32)
-    return DraftTree(tree, empty, torch.zeros(0, 1, dtype=torch.float32, device=dev))
+    return DraftTree(tree, *_empty_q_table(dev))
+
+
+@functools.lru_cache(maxsize=16)
+def _empty_q_table(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q~ table of no rows ([0, 1] ids, [0, 1] float32): shared, as it holds nothing."""
+    return torch.zeros(0, 1, dtype=torch.int32, device=dev), torch.zeros(0, 1, device=dev)
 
 
 @dataclass

@@ -190,9 +190,12 @@ def read_outcome(
     """
     B, P = verdict.accept_path.shape
     N = tree.depth.shape[1]
-    paths = verdict.accept_path.long()
-    path_tokens = tree.tokens.gather(1, paths.clamp(min=0))  # [B, P] int32
-    word = torch.zeros(1, dtype=torch.int32, device=paths.device) if status is None else status
+    if N == 1 and P == 1:  # a root-only tree (a plain step): its path's token is the root
+        path_tokens = tree.tokens
+    else:
+        path_tokens = tree.tokens.gather(1, verdict.accept_path.long().clamp(min=0))  # [B, P]
+    word = torch.zeros(1, dtype=torch.int32, device=tree.tokens.device) if status is None else (
+        status)  # fmt: skip
     packed = torch.cat(
         (
             verdict.accept_len.view(B, 1),
