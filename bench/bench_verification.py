@@ -5,12 +5,18 @@ token so the walk accepts a few levels; the second child is the sampled Y with a
 fp32 and bf16 logits [60, V]. The torch-native walk runs the softmax per visited node in float32
 (the kernel's acc_t for fp32/bf16 logits) and the residual bookkeeping in float64, as the kernel
 does, and must agree with the kernel on the same coins before timing.
-Usage: python bench/bench_verification.py [--quick]
+A second table times a plain step's verification (a root-only tree, B = 1) at SmolLM2's
+vocabulary, through the wrapper the engine calls, with the settings a plain step meets (T = 0;
+T = 1 with top-p 0.9, SmolLM2's generation config, on logits peaked as a language model's and
+on flat ones; T = 1 without top-p), caches warm and after a 64 MB write (as a target forward
+leaves them before the step's verification).
+Usage: python bench/bench_verification.py [--quick] [--plain-only]
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 from common import Timer, conditions, conditions_line
@@ -95,13 +101,51 @@ def torch_native(logits, tokens, parents, sampled, q_ids, q_tilde, method, T, se
         node = accepted
 
 
+PLAIN_V = 49152  # SmolLM2's vocabulary
+PLAIN_SETTINGS = [  # (name, T, top_p, logit scale)
+    ("greedy", 0.0, 1.0, 8.0),
+    ("T=1 top-p 0.9 peaked", 1.0, 0.9, 8.0),
+    ("T=1 top-p 0.9 flat", 1.0, 0.9, 1.0),
+    ("T=1 no top-p", 1.0, 1.0, 8.0),
+]
+
+
+def plain_step(reps: int) -> None:
+    """kernels.verification of one root-only tree per call (a plain step), median µs."""
+    from rheo_engine.spec.draft import root_only_tree
+
+    flush = torch.empty(16 * 1024 * 1024)  # 64 MB written between calls: the caches cold
+    dt = root_only_tree(torch.tensor([5]), torch.tensor([300], dtype=torch.int32))
+    t = dt.tree
+    print("kernel,V,setting,us_warm,us_after_64MB_write")
+    for name, T, top_p, scale in PLAIN_SETTINGS:
+        logits = torch.randn(1, 1, PLAIN_V, generator=torch.Generator().manual_seed(3)) * scale
+        medians = []
+        for cold in (False, True):
+            times = []
+            for step in range(reps):
+                if cold:
+                    flush.add_(1.0)
+                start = time.perf_counter()
+                kernels.verification(logits, t.tokens, t.parents, t.sampled_row, dt.q_tilde_ids,
+                                     dt.q_tilde, "rheo", T, top_p, seed=1, step=step)  # fmt: skip
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[reps // 10 :]) * 1e6)
+        print(f"verification_plain,{PLAIN_V},{name},{medians[0]:.1f},{medians[1]:.1f}")
+
+
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plain-only", action="store_true", help="only the plain step's table")
     opt = ap.parse_args()
     reps = 5 if opt.quick else 20
     timer = Timer("cpu")
     print(conditions_line(conditions("verification", "cpu", reps=reps)))
+    torch.set_num_threads(1)
+    plain_step(20 if opt.quick else 400)
+    if opt.plain_only:
+        return
     print("kernel,dtype,method,N,V,T,mean_accept_len,us_kernel,us_torch_native,speedup,GB_per_s")
     for V, boost in [(32000, 12.0), (128256, 13.5)]:
         for dtype in (torch.float32, torch.bfloat16):
