@@ -129,7 +129,8 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
                   int64_t top_k, double min_p, uint64_t seed, uint64_t step,
                   at::Tensor& accept_path,
                   at::Tensor& accept_len, at::Tensor& bonus_token,
-                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key);
+                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key,
+                  const std::optional<at::Tensor>& depth, const std::optional<at::Tensor>& packed);
 void verification_law(const at::Tensor& logits, const at::Tensor& tokens,
                       const at::Tensor& parents, const at::Tensor& sampled_row,
                       const at::Tensor& q_tilde_ids, const at::Tensor& q_tilde, int64_t method,

@@ -8,6 +8,8 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
+
 
 namespace rheo::bind {
 namespace {
@@ -48,6 +50,26 @@ VerificationArgs inputs(const at::Tensor& logits, const at::Tensor& tokens,
   return a;
 }
 
+// verify.read_outcome's row of each tree, written where the verdict is (the CPU): accept_len,
+// bonus_token, the status word, the accepted path, its tokens (a -1 of the padding reads the
+// root's) and the tree's depths; the step then reads it with one copy to Python.
+void pack_outcome(const VerificationArgs& a, const int32_t* depth, int32_t* packed) {
+  const int64_t P = a.path_capacity, N = a.N, width = 3 + 2 * P + N;
+  const int32_t word = a.status != nullptr ? *a.status : 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    int32_t* row = packed + b * width;
+    const int32_t* path = a.accept_path + b * P;
+    row[0] = a.accept_len[b];
+    row[1] = a.bonus_token[b];
+    row[2] = word;
+    for (int64_t j = 0; j < P; ++j) {
+      row[3 + j] = path[j];
+      row[3 + P + j] = a.tokens[b * N + std::max(path[j], 0)];
+    }
+    for (int64_t j = 0; j < N; ++j) row[3 + 2 * P + j] = depth[b * N + j];
+  }
+}
+
 }  // namespace
 
 void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
@@ -56,7 +78,8 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
                   int64_t top_k, double min_p, uint64_t seed, uint64_t step,
                   at::Tensor& accept_path,
                   at::Tensor& accept_len, at::Tensor& bonus_token,
-                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key) {
+                  const std::optional<at::Tensor>& status, const std::optional<at::Tensor>& key,
+                  const std::optional<at::Tensor>& depth, const std::optional<at::Tensor>& packed) {
   const bool cuda = on_cuda(logits, "logits");
   VerificationArgs a =
       inputs(logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde, method, T, top_p, top_k,
@@ -75,8 +98,17 @@ void verification(const at::Tensor& logits, const at::Tensor& tokens, const at::
   a.accept_len = accept_len.data_ptr<int32_t>();
   a.bonus_token = bonus_token.data_ptr<int32_t>();
   a.status = status_ptr(status, logits, "logits");
+  if (packed) {
+    RHEO_CHECK(!cuda, "packed (the step's read, filled by the binding) is for CPU tensors; on "
+               "CUDA read the verdict with verify.read_outcome's one copy");
+    RHEO_CHECK(depth, "packed needs the tree's depth [B, N] (its last N columns)");
+    check_buffer(*depth, "depth", at::kInt, {a.B, a.N}, "[B, N]");
+    check_buffer(*packed, "packed", at::kInt, {a.B, 3 + 2 * a.path_capacity + a.N},
+                 "[B, 3 + 2 P + N] (verify.read_outcome's row)");
+  }
   if (!cuda) {
     verification_cpu(a);
+    if (packed) pack_outcome(a, depth->data_ptr<int32_t>(), packed->data_ptr<int32_t>());
     return;
   }
 #ifdef RHEO_WITH_CUDA

@@ -282,13 +282,14 @@ def test_raise_status_names_every_bit():
 
 def test_the_step_raises_at_its_read(default_engine, monkeypatch):
     """A kernel that marks bad input in the word (as the CUDA kernels do) makes the step raise
-    at its one read, with the CPU kernel's rule; a verdict of no accepted node does too."""
+    at its one read, with the CPU kernel's rule; a verdict of no accepted node does too. (The
+    mark comes before the verification's own call: on the CPU that call writes the step's read,
+    word included, verify.packed_outcome; nothing runs between it and the read.)"""
     real = kernels.verification
 
     def marking(*args, status=None, **kwargs) -> kernels.Verdict:
-        verdict = real(*args, status=status, **kwargs)
         status.bitwise_or_(kernels.NON_FINITE_TARGET)  # on the device, no read
-        return verdict
+        return real(*args, status=status, **kwargs)
 
     monkeypatch.setattr(kernels, "verification", marking)
     with pytest.raises(ValueError, match="target logits must be finite at every visited node"):

@@ -339,6 +339,38 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def test_the_packed_read_is_read_outcomes_rows():
+    """On the CPU the verification fills the step's read (verify.packed_outcome): the same
+    Outcome as read_outcome gathers from the tree and the verdict, for trees of every size
+    (the path padded past its end, its -1s reading the root's token) and the status word."""
+    from rheo_engine.spec.draft import DraftTree
+    from rheo_engine.spec.verify import packed_outcome, read_outcome
+
+    for B, N, seed in [(1, 1, 1), (3, 7, 2), (2, 20, 3)]:
+        logits, tokens, parents, sampled, q_ids, q_tilde = random_trees(B, N, 111, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        depth = torch.randint(0, 9, (B, N), dtype=torch.int32, generator=g)
+        z = torch.zeros(B, N, dtype=torch.int32)
+        tree = kernels.Tree(tokens=tokens, parents=parents, depth=depth, positions=z,
+                            sampled_row=sampled, cand_index=z, tree_mask=torch.ones(B, N, N,
+                            dtype=torch.uint8), retrieve_indices=torch.zeros(B, N, N + 2,
+                            dtype=torch.int32), n_leaves=torch.ones(B, dtype=torch.int32))
+        dt = DraftTree(tree, q_ids, q_tilde)
+        for method, T, word in [("rheo", 1.0, 0), ("topk", 0.0, 0), ("rrsw", 0.7, 4)]:
+            status = torch.tensor([word], dtype=torch.int32)
+            packed = packed_outcome(dt)
+            verdict = kernels.verification(logits, tokens, parents, sampled, q_ids, q_tilde,
+                                           method, T, seed=seed, path_capacity=N + 2,
+                                           status=status, depth=depth, packed=packed)
+            args = (tree, verdict, status)
+            if word:  # a bit in the word raises at the read, either way
+                for extra in ({}, {"packed": packed}):
+                    with pytest.raises(ValueError):
+                        read_outcome(*args, **extra)
+                continue
+            assert read_outcome(*args, packed=packed) == read_outcome(*args), (B, N, method)
+
+
 # --- rounding guard ------------------------------------------------------------------------
 
 

@@ -570,12 +570,17 @@ def verification(
     path_capacity: int | None = None,
     status: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> Verdict:
     """Walk B trees with target ``logits`` [B, N, V]; q~ table [R, Se] for the sampled nodes.
 
     ``status`` [1] int32 (CUDA): a tree or q~ table that breaks the rules, or a non-finite
     target logit at a visited node, sets a bit there (and that tree gets accept_len 1).
-    ``key`` [2] int64 (coin_key): seed and step read from it, in place of ``seed`` and ``step``."""
+    ``key`` [2] int64 (coin_key): seed and step read from it, in place of ``seed`` and ``step``.
+    ``packed`` [B, 3 + 2P + N] int32 (CPU): filled with verify.read_outcome's row of each tree
+    (the tree's ``depth`` [B, N] int32 gives its last N columns), so the step's read is one copy
+    with no operator to gather it."""
     B, N, _ = _check_tree_inputs(logits)
     P = N if path_capacity is None else path_capacity
     dev = logits.device
@@ -587,7 +592,7 @@ def verification(
     _C.verification(
         logits, tokens, parents, sampled_row, q_tilde_ids, q_tilde,
         _lookup(_VERIFY_METHODS, method, "method"), float(T), float(top_p), top_k, float(min_p),
-        seed, step, out.accept_path, out.accept_len, out.bonus_token, status, key,
+        seed, step, out.accept_path, out.accept_len, out.bonus_token, status, key, depth, packed,
     )  # fmt: skip
     return out
 

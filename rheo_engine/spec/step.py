@@ -21,7 +21,9 @@ import torch
 from rheo_engine.config import PLAIN, SamplingConfig, TreeConfig
 from rheo_engine.spec import kernels
 from rheo_engine.spec.draft import Drafter, DraftTree, SequenceCoins, draft_tree, pool_kind
-from rheo_engine.spec.verify import History, Outcome, control_logits, read_outcome, verify_tree
+from rheo_engine.spec.verify import (
+    History, Outcome, control_logits, packed_outcome, read_outcome, verify_tree,
+)
 
 
 class TargetModel(Protocol):
@@ -263,10 +265,13 @@ def speculative_step(
     times.draft_s = times.tree_s - head_s
     logits, features = target.forward_tree(dt.tree)
     times.target_s = clock.lap()
+    packed = None
     if shared or B == 1:
         d = draws if shared else draws[0]
         controlled = control_logits(logits, dt.tree, d.history, status)
-        verdict = verify_tree(controlled, dt, d.method, d.sampling, d.seed, d.step, status)
+        packed = packed_outcome(dt)
+        verdict = verify_tree(controlled, dt, d.method, d.sampling, d.seed, d.step, status,
+                              packed)  # fmt: skip
     else:
         controlled, verdicts = [], []
         for b, d in enumerate(draws):
@@ -281,7 +286,7 @@ def speculative_step(
             *(torch.cat([getattr(v, n) for v in verdicts]) for n in _VERDICT_FIELDS)
         )
     # the step's one host read; raises on bad input
-    outcome = read_outcome(dt.tree, verdict, status, dt.node_lookup)
+    outcome = read_outcome(dt.tree, verdict, status, dt.node_lookup, packed)
     times.verify_s = clock.lap()
     if drafter is not None:
         drafter.commit(dt.tree, verdict, outcome, features)

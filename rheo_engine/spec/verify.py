@@ -124,15 +124,30 @@ def verify_tree(
     seed: int,
     step: int,
     status: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> kernels.Verdict:
     """Walk each tree with the target logits [B, N, V]: the accepted path and the bonus token
-    (on the device; ``status`` collects the CUDA kernel's bad-input bits)."""
+    (on the device; ``status`` collects the CUDA kernel's bad-input bits). ``packed`` (CPU,
+    from packed_outcome): read_outcome's rows, filled with the verdict."""
     t = dt.tree
     return kernels.verification(
         logits, t.tokens, t.parents, t.sampled_row, dt.q_tilde_ids, _q_tilde_like(dt, logits),
         _kernel_method(method), sampling.temperature, sampling.top_p, sampling.top_k,
         sampling.min_p, seed, step, path_capacity=t.retrieve_indices.shape[2], status=status,
+        depth=None if packed is None else t.depth, packed=packed,
     )  # fmt: skip
+
+
+def packed_outcome(dt: DraftTree) -> torch.Tensor | None:
+    """read_outcome's rows [B, 3 + 2P + N] int32 for verify_tree to fill, where the verdict is
+    on the CPU and the tree has no lookup candidates (else None: read_outcome gathers them). After
+    a target forward each small tensor operator costs a CPU ~5-10 µs: the read's gather and
+    concatenation were ~6 of them a step."""
+    t = dt.tree
+    if t.tokens.device.type != "cpu" or dt.node_lookup is not None:
+        return None
+    B, N = t.depth.shape
+    return torch.empty(B, 3 + 2 * t.retrieve_indices.shape[2] + N, dtype=torch.int32)
 
 
 def verify_law(
@@ -176,6 +191,7 @@ def read_outcome(
     verdict: kernels.Verdict,
     status: torch.Tensor | None = None,
     node_lookup: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> Outcome:
     """The one device-to-host read of a decode step (docs/kernels.md §5): accept lengths, bonus
     tokens, paths, the paths' tokens, the node depths and the status word travel as one int32
@@ -187,28 +203,28 @@ def read_outcome(
     the tree policy) uses this host copy. The gather of the path's tokens is clamped: padding
     (-1) reads the root's token, which nothing uses. ``node_lookup`` [B, N] (a tree with lookup
     candidates): it, the tree's parents and its candidate indices travel in the same read.
+    ``packed``: these rows as verify_tree filled them with the verdict (CPU, no lookup
+    candidates: packed_outcome), read as they are.
     """
     B, P = verdict.accept_path.shape
     N = tree.depth.shape[1]
-    if N == 1 and P == 1:  # a root-only tree (a plain step): its path's token is the root
-        path_tokens = tree.tokens
-    else:
+    if packed is None:
         path_tokens = tree.tokens.gather(1, verdict.accept_path.long().clamp(min=0))  # [B, P]
-    word = torch.zeros(1, dtype=torch.int32, device=tree.tokens.device) if status is None else (
-        status)  # fmt: skip
-    packed = torch.cat(
-        (
-            verdict.accept_len.view(B, 1),
-            verdict.bonus_token.view(B, 1),
-            word.view(1, 1).expand(B, 1),
-            verdict.accept_path,
-            path_tokens,
-            tree.depth,
-            *(() if node_lookup is None else (tree.parents, tree.cand_index,
-                                              node_lookup.to(torch.int32))),  # fmt: skip
-        ),
-        1,
-    )
+        word = torch.zeros(1, dtype=torch.int32, device=tree.tokens.device) if status is None \
+            else status  # fmt: skip
+        packed = torch.cat(
+            (
+                verdict.accept_len.view(B, 1),
+                verdict.bonus_token.view(B, 1),
+                word.view(1, 1).expand(B, 1),
+                verdict.accept_path,
+                path_tokens,
+                tree.depth,
+                *(() if node_lookup is None else (tree.parents, tree.cand_index,
+                                                  node_lookup.to(torch.int32))),  # fmt: skip
+            ),
+            1,
+        )
     rows = packed.tolist()  # the read: the GPU drains here, once per step
     bits = rows[0][2]
     if any(r[0] < 1 for r in rows):  # never a valid verdict (older CUDA kernels' NaN marker)
