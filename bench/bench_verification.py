@@ -142,8 +142,10 @@ def main() -> None:
     reps = 5 if opt.quick else 20
     timer = Timer("cpu")
     print(conditions_line(conditions("verification", "cpu", reps=reps)))
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a decode step's thread count on this bench's CPU pair
     plain_step(20 if opt.quick else 400)
+    torch.set_num_threads(threads)  # the walk table below as before
     if opt.plain_only:
         return
     print("kernel,dtype,method,N,V,T,mean_accept_len,us_kernel,us_torch_native,speedup,GB_per_s")

@@ -91,39 +91,34 @@ int32_t run_layer(const VerificationArgs& a, const TreeView& t, int64_t node, Re
   return -1;
 }
 
+// The inverse-CDF draw over the ids id(0) < id(1) < ... < id(n - 1) that hold every positive
+// weight: the smallest id with cumsum w > coin * sum(w), the sums in id order.
+template <typename Id>
+int32_t inverse_cdf(const double* w, int64_t n, Id id, double coin) {
+  double total = 0.0;
+  for (int64_t j = 0; j < n; ++j) total += w[id(j)];
+  const double target = coin * total;
+  double cum = 0.0;
+  int32_t last = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t v = id(j);
+    if (w[v] <= 0.0) continue;
+    cum += w[v];
+    last = v;
+    if (cum > target) return last;
+  }
+  return last;  // coin * total rounded up to total
+}
+
 // Final draw: inverse CDF over ids in increasing order, the smallest v with
 // cumsum_{u <= v} w(u) > coin * sum(w) (header "Coins").
 int32_t draw_from(const Residual& r, double coin) {
   // One positive weight: every coin's inverse CDF lands on it (also where coin * total rounds
-  // up to total: the loop below returns the last positive id).
+  // up to total: the loop returns the last positive id).
   if (r.nnz == 1 && r.one >= 0 && r.w[r.one] > 0.0) return static_cast<int32_t>(r.one);
-  if (r.support != nullptr) {  // the same sums: the weights off the support are zeros
-    double total = 0.0;
-    for (int64_t j = 0; j < r.support_n; ++j) total += r.w[r.support[j]];
-    const double target = coin * total;
-    double cum = 0.0;
-    int32_t last = 0;
-    for (int64_t j = 0; j < r.support_n; ++j) {
-      const int32_t v = r.support[j];
-      if (r.w[v] <= 0.0) continue;
-      cum += r.w[v];
-      last = v;
-      if (cum > target) return last;
-    }
-    return last;
-  }
-  double total = 0.0;
-  for (int64_t v = 0; v < r.V; ++v) total += r.w[v];
-  const double target = coin * total;
-  double cum = 0.0;
-  int32_t last = 0;
-  for (int64_t v = 0; v < r.V; ++v) {
-    if (r.w[v] <= 0.0) continue;
-    cum += r.w[v];
-    last = static_cast<int32_t>(v);
-    if (cum > target) return last;
-  }
-  return last;  // coin * total rounded up to total
+  if (r.support != nullptr)  // the same sums: the weights off the support are zeros
+    return inverse_cdf(r.w, r.support_n, [&](int64_t j) { return r.support[j]; }, coin);
+  return inverse_cdf(r.w, r.V, [](int64_t j) { return static_cast<int32_t>(j); }, coin);
 }
 
 // The walk of tree b with Philox coins. False (and *bad filled) on a non-finite logit.
@@ -189,7 +184,7 @@ void for_each_tree(const VerificationArgs& a, Fn fn) {
   std::vector<char> failed(a.B, 0);
 #pragma omp parallel if (a.B > 1)
   {
-    Workspace& ws = workspace(a.V, a.N);
+    Workspace& ws = workspace();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < a.B; ++b) failed[b] = !fn(b, ws, &bad[b]);
   }
@@ -202,9 +197,8 @@ void for_each_tree(const VerificationArgs& a, Fn fn) {
 
 }  // namespace
 
-Workspace& workspace(int64_t V, int64_t N) {
+Workspace& workspace() {
   thread_local Workspace ws;
-  ws.V = V, ws.N = N;
   return ws;
 }
 

@@ -48,7 +48,6 @@ class Buffer {
 // where a call first needs it (w always; x for float64 logits, sorted for top-k, cands and
 // support for top-p), so a greedy fp32 step holds w alone.
 struct Workspace {
-  int64_t V = 0, N = 0;         // the call's sizes
   Buffer<double> x;             // [V] logits / T of the visited node
   Buffer<double> w;             // [V] residual weights, r = w / Z
   Buffer<double> sorted;        // [V] top-k selection scratch
@@ -65,8 +64,8 @@ struct Workspace {
 // p one-hot on `best` in ws.w, as a zero-filled [V] buffer with a 1 there.
 double* one_hot(Workspace& ws, int64_t V, int64_t best);
 
-// This thread's workspace with room for V tokens and N nodes.
-Workspace& workspace(int64_t V, int64_t N);
+// This thread's workspace (its buffers sized by each use: Buffer::get).
+Workspace& workspace();
 
 // The residual r = w / Z of one layer (Algorithm 1's r).
 struct Residual {
