@@ -834,21 +834,32 @@ def test_quiet_stretches_double_while_they_run_into_each_other(target_only, monk
 
 @pytest.mark.parametrize("drafts", ["both", "head", "lookup"])
 def test_a_rest_is_the_plan_it_skips(default_engine, monkeypatch, drafts):
-    """BatchDecoder._rest (a plain step taken without planning it) changes no step: the same
-    tokens, trees and accepted drafts as planning every step, alone and in a batch; costs pinned
-    by a profile so that no timing moves the choices. It must fire on most steps at T = 1 and
-    the drafts must be accepted on some (else the comparison shows nothing)."""
+    """BatchDecoder._rest (a plain step taken without planning it, or lookup's plan made
+    without asking the head again) changes no step: the same tokens, trees and accepted drafts
+    as planning every step, alone and in a batch; costs pinned by a profile so that no timing
+    moves the choices. It must fire on most steps at T = 1, make lookup's plan on some, and the
+    drafts must be accepted on some (else the comparison shows nothing)."""
     import rheo_engine.runtime.decoder as decoder_module
     from rheo_engine.runtime.tree_policy import CostProfile, profile_key
     from rheo_engine.spec.draft import pool_kind
 
-    rest = decoder_module.BatchDecoder._rest
-    rested, steps = [], []
+    rest, plan_lookup = decoder_module.BatchDecoder._rest, decoder_module.BatchDecoder._plan_lookup
+    rested, steps, woken, inside = [], [], [], [False]
 
     def counted(self, seqs):
-        parts = rest(self, seqs)
+        inside[0] = True
+        try:
+            parts = rest(self, seqs)
+        finally:
+            inside[0] = False
         rested.append(parts is not None)
         return parts
+
+    def lookup_planned(self, seqs, room, wanted):
+        woken.append(inside[0])  # lookup's plan made by a rest (a repeat woke it)
+        return plan_lookup(self, seqs, room, wanted)
+
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_plan_lookup", lookup_planned)
 
     def profile(T: float) -> CostProfile:
         # T = 0: rows cheap enough that trees pay where the drafts hold; T = 1: dear enough
@@ -877,6 +888,8 @@ def test_a_rest_is_the_plan_it_skips(default_engine, monkeypatch, drafts):
         assert fast.trees.histogram() == planned.trees.histogram()
         assert fast.accepted == planned.accepted
     assert sum(rested) > steps[0] // 8, f"{sum(rested)} rests in {steps[0]} steps: a weak test"
+    if drafts != "head":  # lookup's own plans made by a rest, as _plan makes them
+        assert sum(woken) > 10, f"{sum(woken)} of lookup's plans made by a rest: a weak test"
     assert sum(sum(g.accepted.values()) for g in runs[0]) > 0, "no draft accepted"
 
 

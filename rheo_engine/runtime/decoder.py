@@ -562,17 +562,23 @@ class BatchDecoder:
         return [(part, cfg, policy) for cfg, part in parts.items()]
 
     def _rest(self, seqs: list[SeqState]):
-        """The plan of a step that is plain for every source without planning it, or None
-        (then _plan): every sequence in a quiet stretch of prompt lookup that no repeat wakes
-        (_plan_lookup), and the head's auto tree sure to answer plain (AutoTree.rest). The same
-        parts, choices and state as _plan's, at a fraction of its Python: most steps at T = 1."""
+        """The plan of a step whose head part is plain without planning it, or None (then
+        _plan): the head's auto tree sure to answer plain (AutoTree.rest), and every sequence in
+        a quiet stretch of prompt lookup that no repeat wakes (_plan_lookup): a plain step; or
+        lookup woken: its own plan (_plan_lookup), as _plan_both makes it after the head's
+        plain answer. The same parts, choices and state as _plan's, at a fraction of its
+        Python: most steps at T = 1."""
         group = seqs[0].group
         if not group.drafts or group.tree != "auto":
             return None
         lookup, head = group.source != "head", group.source != "lookup"
+        quiet = lookup
         for s in seqs:  # (loops, not generators: a rest is worth its Python calls)
             if lookup and (s.lookup_rest <= 0 or s.lookup.repeats()):
-                return None
+                quiet = False
+                break
+        if lookup and not quiet and not head:
+            return self._plan_lookup(seqs, self._room, self._wanted)  # as _plan would
         policy = None
         if head:
             policy = self._policies.get(group)
@@ -587,6 +593,9 @@ class BatchDecoder:
                 return None
         if not lookup:
             return [(seqs, PLAIN, policy)]
+        if not quiet:  # a repeat woke lookup (or its stretch ran out), the head rests: its
+            # plan as _plan_both makes it after the head's plain answer, without asking again
+            return self._plan_lookup(seqs, self._room, self._wanted)
         for s in seqs:
             s.lookup_rest -= 1
             s.cands = QUIET
