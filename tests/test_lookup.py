@@ -911,3 +911,61 @@ def test_lookup_trees_stay_within_the_trusted_rows():
     assert choose_nodes(cands, LocalCosts(capped), 100, 100, 60)[0] <= 4
     assert extra_nodes(cands, free, 2, 1.5, 1.0, 100, 100, 60) > 2
     assert extra_nodes(cands, capped, 2, 1.5, 1.0, 100, 100, 60) <= 2
+
+
+def test_dormant_stretches_are_ar_steps_and_index_every_token(default_engine, monkeypatch):
+    """A dormant stretch (BatchDecoder._fall_dormant): at T = 1 where rows are dear and no tree
+    pays, most steps are `ar`'s: the head queues no pair (the target's features are not kept)
+    and lookup neither looks nor indexes; when a stretch ends, the index holds the prompt and
+    every emitted token, as if built from them whole. Stretches end before the head's probes,
+    which still draft from the gapped context and are accepted; alone and in a batch. Costs
+    pinned (no timing moves the choices); a run with no stretches (DORMANT_MIN past any
+    request) has none."""
+    import rheo_engine.runtime.decoder as decoder_module
+    from rheo_engine.runtime.tree_policy import CostProfile, profile_key
+    from rheo_engine.spec.draft import pool_kind
+
+    engine = default_engine
+    key = profile_key(engine.target.cfg, engine.head.cfg, engine.target.device,
+                      engine.target.dtype, pool_kind("rheo", 1.0), 10)  # fmt: skip
+    target_s = {n: 1.0 + (n - 1) ** 0.8 for n in (1, 2, 4, 8, 16, 32, 64)}
+    profile = CostProfile(key, target_s, 0.05, {n: 0.1 for n in (1, 2, 4, 8, 10)},
+                          {n: 0.02 for n in target_s})  # fmt: skip
+    step, dormant = decoder_module.BatchDecoder._step, decoder_module.BatchDecoder._dormant
+    kinds, wakes = [], []
+
+    def stepped(self, seqs, cfg, policy, lookup="", extra=0):
+        before = [(self.drafter.length(s.slot), len(s.lookup.tokens)) for s in seqs]
+        out = step(self, seqs, cfg, policy, lookup, extra)
+        after = [(self.drafter.length(s.slot), len(s.lookup.tokens)) for s in seqs]
+        kinds.append(lookup == "dormant")
+        if lookup == "dormant":
+            assert before == after, "a dormant step queued a pair or indexed a token"
+        return out
+
+    def woke(self, seqs):
+        parts = dormant(self, seqs)
+        if parts is None:  # every token indexed, in order, as a fresh index would hold them
+            for s in seqs:
+                tokens = s.lookup.tokens
+                assert tokens[: len(s.request.prompt_ids)] == s.request.prompt_ids
+                assert len(tokens) == len(s.request.prompt_ids) + s.emitted
+                assert s.lookup.table == LookupIndex(tokens).table
+                wakes.append(s.slot)
+        return parts
+
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_step", stepped)
+    monkeypatch.setattr(decoder_module.BatchDecoder, "_dormant", woke)
+    prompts = [CODE, STORY, STORY + "The next day, "]
+    gens = [engine.generate(p, 160, temperature=1.0, seed=30 + k, cost_profile=profile)
+            for k, p in enumerate(prompts)]  # fmt: skip
+    gens += engine.generate(prompts, 96, temperature=1.0, seed=[3, 4, 5],
+                            cost_profile=profile)  # fmt: skip
+    assert sum(kinds) > len(kinds) // 2, f"{sum(kinds)} dormant steps of {len(kinds)}"
+    assert len(wakes) > 5, f"{len(wakes)} stretches ended: a weak test"
+    assert sum(g.accepted.get("head", 0) for g in gens) > 0, "no head draft accepted"
+    assert all(len(g.token_ids) in (160, 96) or g.stop_reason == "eos" for g in gens)
+    kinds.clear()
+    monkeypatch.setattr(decoder_module, "DORMANT_MIN", 10**6)
+    engine.generate(prompts[0], 96, temperature=1.0, seed=30, cost_profile=profile)
+    assert not any(kinds), "a dormant step with stretches off"

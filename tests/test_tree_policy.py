@@ -1263,3 +1263,54 @@ def test_rest_is_choose_where_it_answers():
                 policy.observe(cfg, outcome([]), float(rng.choice([1.0, 2.0])) * cost)
     assert rested > 500 and declined > 500 and skipped > 20, (rested, declined, skipped)
     assert checked > 20, checked
+
+
+def test_quiet_steps_are_rests_and_rested_is_rest():
+    """AutoTree.quiet_steps (the decoder's dormant stretch): after a rest that answered plain,
+    each of the next quiet_steps steps is a rest too (the batch kept, room and tokens wanted
+    falling, the backlog as it was), and rested leaves the policy exactly as that rest does;
+    the promise is tight: within a gap after it a probe may run (rest declines). Over random
+    histories, with probes the budget affords soon, late or never, and kept profiles checked."""
+    import copy
+
+    rng = np.random.default_rng(1)
+    stretches = tight = forever = 0
+    for trial in range(60):
+        cost = float(rng.uniform(1.0, 4.0))
+        target_s = {1: 1.0, 2: 1.0 + 0.1 * cost, 16: cost * 2.0}
+        levels = {2: 0.02 * cost, 4: 0.04 * cost, 10: 0.1 * cost}
+        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0}),
+                          check=trial % 3 == 1)  # fmt: skip
+        room = wanted = 400
+        for step in range(int(rng.integers(1, 80))):  # a history: trees, probes, plain steps
+            waiting = int(rng.integers(0, 40))
+            room, wanted = room - 1, wanted - 1
+            if policy.rest(room, wanted, waiting, 1):
+                continue
+            cfg = policy.choose(room, wanted, waiting)
+            accepted = [1, 5, 9][: int(rng.integers(0, 4))] if cfg.method != "ar" else []
+            policy.observe(GROWN if cfg.method != "ar" else cfg, outcome(accepted),
+                           float(rng.uniform(1.0, 3.0 * cost)))  # fmt: skip
+        waiting = int(rng.integers(0, 40))
+        if not policy.rest(room, wanted, waiting, 1):
+            continue
+        quiet = policy.quiet_steps(wanted)
+        twin = copy.deepcopy(policy)
+        for j in range(min(quiet, 3000)):
+            room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
+            assert twin.rest(room, wanted, waiting, 1), (trial, j, quiet)
+            policy.rested(wanted)
+            assert _state(policy) == _state(twin), (trial, j)
+        stretches += quiet > 0
+        if quiet > 3000:  # (2**30: no probe ever affordable)
+            forever += 1
+            continue
+        gap = policy.probe_gap if policy.probes else policy.PROBE_FIRST
+        declined = False
+        for _ in range(gap + 1):
+            if not twin.rest(room, wanted, waiting, 1):
+                declined = True
+                break
+        tight += declined
+        assert declined or wanted < 2, (trial, quiet)
+    assert stretches > 20 and tight > 10, (stretches, tight, forever)

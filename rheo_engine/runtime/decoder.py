@@ -161,6 +161,10 @@ class SeqState:
     # one-time cost like the prefill, run early when the auto tree measures on this slot, so
     # counting them would make a seeded run's trees depend on whether a profile was kept.
     queued: int = 0
+    # A dormant stretch (BatchDecoder._dormant): its steps left, and the tokens its steps
+    # emitted, which the lookup index takes when it ends
+    dormant: int = 0
+    unindexed: list[int] = dataclasses.field(default_factory=list)
 
 
 # Prompt lookup's quiet stretch (_plan_lookup, docs/lookup.md §6): the steps a stretch spans
@@ -169,7 +173,12 @@ class SeqState:
 # (_observe_lookup then adds no evidence).
 QUIET_STEPS, QUIET_MAX = 4, 32
 SHORT_MATCHES = frozenset(range(1, MAX_N))
+LONGEST_MATCH = frozenset((MAX_N,))
 QUIET = Candidates([], [], [], [], [])
+# A dormant stretch (BatchDecoder._dormant, docs/tree_policy.md §3): at least DORMANT_MIN
+# steps, at most DORMANT_MAX (lookup's longest quiet stretch: then a step as ever), ending
+# DORMANT_LEAD steps before the head's next probe may run, so that its probe has its last pairs
+DORMANT_MIN, DORMANT_LEAD, DORMANT_MAX = 4, 4, QUIET_MAX
 
 
 @dataclass(frozen=True)
@@ -571,6 +580,12 @@ class BatchDecoder:
         group = seqs[0].group
         if not group.drafts or group.tree != "auto":
             return None
+        for s in seqs:
+            if s.dormant or s.unindexed:
+                parts = self._dormant(seqs)
+                if parts is not None:
+                    return parts
+                break
         lookup, head = group.source != "head", group.source != "lookup"
         quiet = lookup
         for s in seqs:  # (loops, not generators: a rest is worth its Python calls)
@@ -592,6 +607,7 @@ class BatchDecoder:
             if not policy.rest(room, wanted, self._waiting(seqs), len(seqs)):
                 return None
         if not lookup:
+            self._fall_dormant(seqs, policy)
             return [(seqs, PLAIN, policy)]
         if not quiet:  # a repeat woke lookup (or its stretch ran out), the head rests: its
             # plan as _plan_both makes it after the head's plain answer, without asking again
@@ -599,7 +615,64 @@ class BatchDecoder:
         for s in seqs:
             s.lookup_rest -= 1
             s.cands = QUIET
+        self._fall_dormant(seqs, policy)
         return [(seqs, PLAIN, None, "alone", 0)]
+
+    def _fall_dormant(self, seqs: list[SeqState], policy: AutoTree | None) -> None:
+        """After a rest: the next steps of these sequences make a dormant stretch where no
+        source can draft a tree that pays before its end, however they go. The head's auto
+        tree answers plain at each of them without a probe (AutoTree.quiet_steps, less
+        DORMANT_LEAD steps that queue its pairs again before the probe), and each sequence is
+        in a quiet stretch of lookup where even a match of the longest length could pay for no
+        tree (no_tree_pays): a repeat would wake lookup for nothing but evidence. Its steps
+        are `ar`'s (_dormant): the target's features are not kept, so the head drafts the next
+        probe from a context with a gap (which changes its drafts, never what a step emits:
+        docs/tree_policy.md §3), and the emitted tokens join the lookup index at its end; the auto
+        tree still observes their times (a kept profile's check). Not under tensor parallelism
+        or on static buffers (their ranks and buffers follow every step)."""
+        if policy is None or self.tp is not None or self.static_draft is not None or \
+                len(seqs) != policy.batch:  # fmt: skip
+            return
+        group = seqs[0].group
+        steps = policy.quiet_steps(max(map(self._wanted, seqs))) - DORMANT_LEAD
+        steps = min(steps, DORMANT_MAX)
+        if steps < DORMANT_MIN:
+            return
+        if group.source != "head":
+            costs = self._lookup_costs(seqs[0])
+            for s in seqs:
+                local = s.local if not costs.pinned and s.local is not None else costs
+                cfg = s.request.tree_cfg
+                if not no_tree_pays(s.lookup_stats, local, self._room(s), self._wanted(s),
+                                    cfg.total_tokens, cfg.depth, LONGEST_MATCH,
+                                    s.lookup_cal.factor):  # fmt: skip
+                    return
+        for s in seqs:
+            s.dormant = steps
+
+    def _dormant(self, seqs: list[SeqState]):
+        """A step of a dormant stretch (_fall_dormant) when every sequence is in one, the batch
+        is the stretch's and its steps did not contradict the kept profile; else None, the
+        stretch ended for all of them: the tokens its steps emitted are indexed now, before
+        anything reads the index."""
+        group = seqs[0].group
+        policy = self._policies.get(group)
+        if isinstance(policy, AutoTree) and len(seqs) == policy.batch and \
+                not policy.contradicted and all(s.dormant for s in seqs):  # fmt: skip
+            lookup = group.source != "head"
+            for s in seqs:
+                s.dormant -= 1
+                if lookup:  # (a stretch past lookup's quiet one: it plans when this ends)
+                    s.lookup_rest = max(0, s.lookup_rest - 1)
+                    s.cands = QUIET
+            policy.rested(max(map(self._wanted, seqs)))
+            return [(seqs, PLAIN, None, "dormant", 0)]
+        for s in seqs:
+            if s.unindexed:
+                s.lookup.extend(s.unindexed)
+                s.unindexed = []
+            s.dormant = 0
+        return None
 
     def _room(self, s: SeqState) -> int:
         """Rows a sequence may still add (its limit less its slot's length)."""
@@ -796,7 +869,8 @@ class BatchDecoder:
         """One step of a batch: the tree of ``cfg``, its tokens and logprobs per sequence.
         ``lookup``: "alone" (each sequence's lookup tree alone, as _plan_lookup plans it),
         "merge" (lookup candidates merged into the head's tree of cfg, which then keeps
-        ``extra`` more nodes: _plan_both), or "" (none)."""
+        ``extra`` more nodes: _plan_both), "dormant" (a plain step of a dormant stretch:
+        _dormant) or "" (none)."""
         start = time.perf_counter()
         draws = [
             Draw(s.request.tree_cfg.method, s.request.sampling, s.request.seed, s.step,
@@ -818,9 +892,10 @@ class BatchDecoder:
                                   cfg.depth, self.status)  # fmt: skip
         elif lookup == "merge" and cfg.method != "ar":
             merge = Merger([s.cands for s in seqs], extra)
+        dormant = lookup == "dormant"  # (_dormant: `ar`'s step, the head's features not kept)
         result = self._speculate(
             [s.slot for s in seqs], torch.cat([s.root for s in seqs]), cfg, draws,
-            group.drafts and group.source != "lookup", drafted, merge,
+            group.drafts and group.source != "lookup" and not dormant, drafted, merge,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         if isinstance(policy, FirstPlain):
@@ -836,7 +911,10 @@ class BatchDecoder:
         for b, s in enumerate(seqs):
             r, row = s.request, _outcome_row(result.outcome, b)
             seen = row  # what the tree policy observes: the head's own nodes
-            if uses_lookup:
+            if dormant:  # its tokens join the lookup index when the stretch ends (_dormant)
+                if uses_lookup:
+                    s.unindexed += row.emitted[0]
+            elif uses_lookup:
                 seen = self._observe_lookup(s, result.draft, row, cfg, lookup)
             elif group.drafts and cfg.method != "ar":
                 r.accepted["head"] = r.accepted.get("head", 0) + row.accept_len[0] - 1
@@ -844,8 +922,9 @@ class BatchDecoder:
                 policy.observe(cfg if s.head_cfg is None else s.head_cfg, seen, seconds)
             elif cfg.method == "ar" and isinstance(auto := self._policies.get(s.group), AutoTree):
                 # A plain step of drafts "both" (lookup's plan runs it after the group's auto
-                # tree chose plain): its time still checks the tree's profile, which a kept
-                # profile measured under other loads would otherwise never meet at T = 1
+                # tree chose plain) or of a dormant stretch: its time still checks the tree's
+                # profile, which a kept profile measured under other loads would otherwise
+                # never meet at T = 1
                 auto.observe(cfg, seen, seconds)
             s.head_cfg = None
             r.trees.add(cfg, predicted, seconds)
@@ -862,7 +941,10 @@ class BatchDecoder:
             s.root = result.verdict.bonus_token[b : b + 1].long()
             s.step += 1
             s.emitted += len(emitted)
-            s.queued = 0 if head_drafted else s.queued + len(emitted)
+            if head_drafted:
+                s.queued = 0
+            elif not dormant:  # (a dormant step queues no pair)
+                s.queued += len(emitted)
             out.append((s, emitted, logprobs))
         return out
 

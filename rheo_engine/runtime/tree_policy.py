@@ -46,6 +46,7 @@ import bisect
 import dataclasses
 import functools
 import json
+import math
 import statistics
 import time
 from collections import Counter
@@ -979,6 +980,37 @@ class AutoTree:
         self.predicted_s = self.plain_s
         self.total_s += self.plain_s
         return True
+
+    def quiet_steps(self, wanted: int) -> int:
+        """Right after a rest that answered plain: how many of the next steps rest surely
+        answers plain again while the batch stays, the room and the tokens wanted (``wanted``
+        now) do not grow and the head's backlog does not move (the decoder's dormant stretch
+        queues no pair): the steps before the first where a probe is due and affordable
+        (rest's own test, one step early at the boundary; 2**30 where none ever is); 0 while a
+        probe waits to be settled. The steps are still observed (a kept profile's check)."""
+        if self.probe_tokens or self.plain_known is None:
+            return 0
+        if wanted < 2 or self.bound.method == "ar" or not math.isfinite(self.cheapest_probe_s):
+            return 1 << 30
+        # Step j = 1, 2, ... from the next: due at first, first + gap, ... (a due step that no
+        # probe runs at starts the gap again), affordable once the budget that grows by
+        # PROBE_SHARE of each plain step covers the cheapest probe and the backlog (_probe_limit)
+        first, gap, share = max(1, self._gap - self.since_probe), self._gap, self.PROBE_SHARE
+        need = ((self.cheapest_probe_s + self.waiting_s) * (1.0 - share) + self.probe_loss_s
+                - self.PROBE_COST * self.plain_s - share * self.total_s) / (share * self.plain_s)
+        afford = 1 + max(0, math.ceil(need) - 1) if need > 0 else 1
+        if afford <= first:
+            return first - 1
+        return first + gap * -(-(afford - first) // gap) - 1
+
+    def rested(self, wanted: int) -> None:
+        """One of the steps quiet_steps promised: rest's state after its plain answer (the gap
+        started again at a due step that no probe can afford)."""
+        due = wanted >= 2 and self.bound.method != "ar" and self.since_probe + 1 >= self._gap
+        self.steps += 1
+        self.since_probe = 0 if due else self.since_probe + 1
+        self.predicted_s = self.plain_s
+        self.total_s += self.plain_s
 
     def _choose(self, room: int, wanted: int) -> TreeConfig:
         plain_s = self.plain_s
