@@ -726,7 +726,7 @@ def test_a_contradicted_profile_is_learned_again_without_measuring(tiny, tmp_pat
 
 
 def test_contradictions_in_process_after_process_do_not_compound(tiny, tmp_path, monkeypatch):
-    """Each process reads the kept profile, its check contradicts it (forced: 2x off), the
+    """Each process reads the kept profile, its check contradicts it (forced: 4x off), the
     profile is scaled and learned again from the real steps and kept. No part keeps the
     scaling: the kept times stay near the first kept ones (verification and drafting had
     doubled with every process, forwards re-learned: kept files on a noisy host had reached
@@ -748,8 +748,9 @@ def test_contradictions_in_process_after_process_do_not_compound(tiny, tmp_path,
     first = process()
     real_check = AutoTree._check
 
-    def twice_off(self, seconds):  # every check reads the steps 2x their price
-        real_check(self, 2.0 * seconds)
+    def four_off(self, seconds):  # every check reads the steps 4x their price (2x had left
+        real_check(self, 4.0 * seconds)  # a kept profile priced from a process's first, cold
+        # steps uncontradicted in ~1 run of 4 on a noisy host: a flaky test)
 
     scalings = []
     real_scaled = CostProfile.scaled
@@ -758,7 +759,7 @@ def test_contradictions_in_process_after_process_do_not_compound(tiny, tmp_path,
         scalings.append(ratio)
         return real_scaled(self, ratio)
 
-    monkeypatch.setattr(AutoTree, "_check", twice_off)
+    monkeypatch.setattr(AutoTree, "_check", four_off)
     monkeypatch.setattr(AutoTree, "CONTRADICTION", 1.5)
     monkeypatch.setattr(CostProfile, "scaled", scaled)
     for _ in range(5):
@@ -1269,12 +1270,13 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
     """AutoTree.quiet_steps (the decoder's dormant stretch): after a rest that answered plain,
     each of the next quiet_steps steps is a rest too (the batch kept, room and tokens wanted
     falling, the backlog as it was), and rested leaves the policy exactly as that rest does;
-    the promise is tight: within a gap after it a probe may run (rest declines). Over random
-    histories, with probes the budget affords soon, late or never, and kept profiles checked."""
+    the promise is tight: within a gap after it a probe may run (rest declines); none while a
+    kept profile is checked. Over random histories, with probes the budget affords soon, late
+    or never, and kept profiles checked."""
     import copy
 
     rng = np.random.default_rng(1)
-    stretches = tight = forever = 0
+    stretches = tight = forever = checked = 0
     for trial in range(60):
         cost = float(rng.uniform(1.0, 4.0))
         target_s = {1: 1.0, 2: 1.0 + 0.1 * cost, 16: cost * 2.0}
@@ -1295,6 +1297,10 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
         if not policy.rest(room, wanted, waiting, 1):
             continue
         quiet = policy.quiet_steps(wanted)
+        if policy.checks is not None:  # a kept profile still checked: its steps as they are
+            assert quiet == 0
+            checked += 1
+            continue
         twin = copy.deepcopy(policy)
         for j in range(min(quiet, 3000)):
             room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
@@ -1313,4 +1319,4 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
                 break
         tight += declined
         assert declined or wanted < 2, (trial, quiet)
-    assert stretches > 20 and tight > 10, (stretches, tight, forever)
+    assert stretches > 20 and tight > 10 and checked > 0, (stretches, tight, forever, checked)

@@ -627,11 +627,13 @@ class BatchDecoder:
         tree (no_tree_pays): a repeat would wake lookup for nothing but evidence. Its steps
         are `ar`'s (_dormant): the target's features are not kept, so the head drafts the next
         probe from a context with a gap (which changes its drafts, never what a step emits:
-        docs/tree_policy.md §3), and the emitted tokens join the lookup index at its end; the auto
-        tree still observes their times (a kept profile's check). Not under tensor parallelism
-        or on static buffers (their ranks and buffers follow every step)."""
+        docs/tree_policy.md §3), and the emitted tokens join the lookup index at its end. Its
+        steps are cheaper than the plain step a profile prices (no features): none runs while
+        the profile is learned or a kept one is checked (AutoTree.quiet_steps), whose steps must
+        be the priced ones. Not under tensor parallelism or on static buffers (their ranks and
+        buffers follow every step)."""
         if policy is None or self.tp is not None or self.static_draft is not None or \
-                len(seqs) != policy.batch:  # fmt: skip
+                len(seqs) != policy.batch or policy.profile.key in self.learners:  # fmt: skip
             return
         group = seqs[0].group
         steps = policy.quiet_steps(max(map(self._wanted, seqs))) - DORMANT_LEAD
@@ -922,9 +924,9 @@ class BatchDecoder:
                 policy.observe(cfg if s.head_cfg is None else s.head_cfg, seen, seconds)
             elif cfg.method == "ar" and isinstance(auto := self._policies.get(s.group), AutoTree):
                 # A plain step of drafts "both" (lookup's plan runs it after the group's auto
-                # tree chose plain) or of a dormant stretch: its time still checks the tree's
-                # profile, which a kept profile measured under other loads would otherwise
-                # never meet at T = 1
+                # tree chose plain): its time still checks the tree's profile, which a kept
+                # profile measured under other loads would otherwise never meet at T = 1 (no
+                # dormant step has a check to feed: AutoTree.quiet_steps)
                 auto.observe(cfg, seen, seconds)
             s.head_cfg = None
             r.trees.add(cfg, predicted, seconds)

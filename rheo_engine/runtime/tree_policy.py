@@ -987,8 +987,9 @@ class AutoTree:
         now) do not grow and the head's backlog does not move (the decoder's dormant stretch
         queues no pair): the steps before the first where a probe is due and affordable
         (rest's own test, one step early at the boundary; 2**30 where none ever is); 0 while a
-        probe waits to be settled. The steps are still observed (a kept profile's check)."""
-        if self.probe_tokens or self.plain_known is None:
+        probe waits to be settled or a kept profile is checked (observe must see its steps as
+        they are: a dormant step is cheaper than the plain step its profile prices)."""
+        if self.checks is not None or self.probe_tokens or self.plain_known is None:
             return 0
         if wanted < 2 or self.bound.method == "ar" or not math.isfinite(self.cheapest_probe_s):
             return 1 << 30
