@@ -653,14 +653,14 @@ class BatchDecoder:
             s.dormant = steps
 
     def _dormant(self, seqs: list[SeqState]):
-        """A step of a dormant stretch (_fall_dormant) when every sequence is in one, the batch
-        is the stretch's and its steps did not contradict the kept profile; else None, the
-        stretch ended for all of them: the tokens its steps emitted are indexed now, before
-        anything reads the index."""
+        """A step of a dormant stretch (_fall_dormant) when every sequence is in one and the
+        batch is the stretch's (no kept profile is checked across a stretch, so none is
+        contradicted in it); else None, the stretch ended for all of them: the tokens its steps
+        emitted are indexed now, before anything reads the index."""
         group = seqs[0].group
         policy = self._policies.get(group)
         if isinstance(policy, AutoTree) and len(seqs) == policy.batch and \
-                not policy.contradicted and all(s.dormant for s in seqs):  # fmt: skip
+                all(s.dormant for s in seqs):  # fmt: skip
             lookup = group.source != "head"
             for s in seqs:
                 s.dormant -= 1

@@ -970,15 +970,11 @@ class AutoTree:
         waiting_s = self.profile.waiting_s(waiting * batch)
         if room > known[0] or wanted > known[1] or waiting_s < known[2]:
             return False
-        # (_choose answers plain before its probe when fewer than 2 tokens are wanted)
-        due = wanted >= 2 and self.bound.method != "ar" and self.since_probe + 1 >= self._gap
+        due = self._due(wanted)
         if due and self.cheapest_probe_s + waiting_s <= self._probe_limit():
             return False  # a probe may run: choose's search decides
         self.waiting_s = waiting_s
-        self.steps += 1
-        self.since_probe = 0 if due else self.since_probe + 1
-        self.predicted_s = self.plain_s
-        self.total_s += self.plain_s
+        self._rested(due)
         return True
 
     def quiet_steps(self, wanted: int) -> int:
@@ -999,7 +995,7 @@ class AutoTree:
         first, gap, share = max(1, self._gap - self.since_probe), self._gap, self.PROBE_SHARE
         need = ((self.cheapest_probe_s + self.waiting_s) * (1.0 - share) + self.probe_loss_s
                 - self.PROBE_COST * self.plain_s - share * self.total_s) / (share * self.plain_s)
-        afford = 1 + max(0, math.ceil(need) - 1) if need > 0 else 1
+        afford = max(1, math.ceil(need))
         if afford <= first:
             return first - 1
         return first + gap * -(-(afford - first) // gap) - 1
@@ -1007,7 +1003,16 @@ class AutoTree:
     def rested(self, wanted: int) -> None:
         """One of the steps quiet_steps promised: rest's state after its plain answer (the gap
         started again at a due step that no probe can afford)."""
-        due = wanted >= 2 and self.bound.method != "ar" and self.since_probe + 1 >= self._gap
+        self._rested(self._due(wanted))
+
+    def _due(self, wanted: int) -> bool:
+        """Whether a probe is due at this step (_choose answers plain before its probe when
+        fewer than 2 tokens are wanted)."""
+        return wanted >= 2 and self.bound.method != "ar" and self.since_probe + 1 >= self._gap
+
+    def _rested(self, due: bool) -> None:
+        """A plain answer given without a search (rest, rested): the step counted, the gap to
+        the next probe started again at a due step."""
         self.steps += 1
         self.since_probe = 0 if due else self.since_probe + 1
         self.predicted_s = self.plain_s
