@@ -209,7 +209,10 @@ def read_outcome(
     B, P = verdict.accept_path.shape
     N = tree.depth.shape[1]
     if packed is None:
-        path_tokens = tree.tokens.gather(1, verdict.accept_path.long().clamp(min=0))  # [B, P]
+        if N == 1 and P == 1:  # a root-only tree (a plain step): its path's token is the root
+            path_tokens = tree.tokens
+        else:
+            path_tokens = tree.tokens.gather(1, verdict.accept_path.long().clamp(min=0))
         word = torch.zeros(1, dtype=torch.int32, device=tree.tokens.device) if status is None \
             else status  # fmt: skip
         packed = torch.cat(
