@@ -881,11 +881,32 @@ def test_estimate_profile_takes_a_plain_steps_times_for_one_node():
     assert sorted(prof.target_s) == [1, 4]
 
 
-def test_the_first_step_under_an_estimate_is_plain_and_times_it(tiny, tmp_path, monkeypatch):
+def test_estimate_profile_takes_a_tree_steps_times_for_its_small_size():
+    """Given a real tree step's times too (the decoder's second step), the estimate times no
+    forward nor verification at all: its small size is that tree's nodes; only drafts are timed
+    (after the untimed one over the pairs that wait)."""
+    from rheo_engine.runtime.tree_policy import estimate_profile
+
+    calls = []
+    forward_tree, draft, verify = recorded_parts(calls)
+    prof = estimate_profile("toy", forward_tree, draft, verify, max_nodes=60, max_depth=8,
+                            topks=(2, 4, 10), plain=(0.25, 0.0125),
+                            tree=(3, 0.375, 0.02))  # fmt: skip
+    assert not [c for c in calls if c[0] in ("forward", "verify")]
+    assert calls == [("draft", 2, 3, 10), ("draft", 2, 3, 10), ("draft", 1, 3, 10),
+                     ("draft", 2, 3, 2), ("draft", 2, 3, 4)]  # fmt: skip
+    assert prof.target_s == {1: 0.25, 3: 0.375} and prof.verify_s == {1: 0.0125, 3: 0.02}
+    assert prof.trusted_rows == 6
+
+
+def test_the_first_steps_under_an_estimate_are_plain_then_a_small_tree_and_time_it(
+        tiny, tmp_path, monkeypatch):  # fmt: skip
     """On one CPU process, a request whose profile is not here yet takes its first step plain
-    and the estimate before its second step uses that step's target forward and verification
-    for one node (no forward of its own there): the first answer waits one forward less. A
-    profile here already: no such step (the first step is planned)."""
+    and its second as a tree of the estimate's small size (4 nodes), and the estimate before its
+    third step uses those steps' target forwards and verifications for its two sizes (no
+    forward of its own): the first answer waits for no forward that yields nothing. Where the
+    second step cannot be that tree (one token left), the estimate times its own 4-node
+    forward. A profile here already: no such steps (the first step is planned)."""
     import rheo_engine.runtime.decoder as decoder_module
     from rheo_engine.runtime.tree_policy import estimate_profile
 
@@ -901,7 +922,7 @@ def test_the_first_step_under_an_estimate_is_plain_and_times_it(tiny, tmp_path, 
             return forward_tree(tree)
 
         profile = estimate_profile(key, forward, draft, verify, *args, **kwargs)
-        estimates.append((kwargs.get("plain"), sizes, profile))
+        estimates.append((kwargs.get("plain"), kwargs.get("tree"), sizes, profile))
         return profile
 
     real_step = decoder_module.BatchDecoder._step
@@ -914,17 +935,23 @@ def test_the_first_step_under_an_estimate_is_plain_and_times_it(tiny, tmp_path, 
     monkeypatch.setattr(decoder_module, "estimate_profile", estimating)
     monkeypatch.setattr(decoder_module.BatchDecoder, "_step", step)
     engine = Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
-    for drafts in ("head", "both"):
+    for drafts, tokens in (("head", 12), ("both", 12), ("head", 2)):
         estimates.clear(), steps.clear()
         engine.cost_profiles.clear(), engine.cost_learners.clear()
         for path in (tmp_path / "cache").glob("profiles/*.json"):
             path.unlink()
-        gen = engine.generate(PROMPT, 12, temperature=0.0, drafts=drafts, topk=4, depth=3,
+        gen = engine.generate(PROMPT, tokens, temperature=0.0, drafts=drafts, topk=4, depth=3,
                               total_tokens=8, ignore_eos=True)  # fmt: skip
         assert steps[0] == ("FirstPlain", 1) and len(estimates) == 1, (steps, drafts)
-        (plain, sizes, profile), = estimates
-        assert plain is not None and sizes == [4] and profile.target_s[1] == plain[0] > 0
-        assert len(gen.token_ids) == 12 and gen.measure_s > 0
+        (plain, tree, sizes, profile), = estimates
+        assert plain is not None and profile.target_s[1] == plain[0] > 0
+        if tokens == 2:  # the second step wants one token: planned, and the estimate times 4
+            assert tree is None and sizes == [4] and steps[1][0] != "FirstPlain", steps
+        else:
+            assert steps[1] == ("FirstPlain", 4) and tree[0] == 4 and sizes == [], steps
+            assert profile.target_s[4] == tree[1] > 0 and profile.verify_s[4] == tree[2]
+            assert steps[2][0] != "FirstPlain", steps  # planned from the estimate on
+        assert len(gen.token_ids) == tokens and gen.measure_s > 0
     steps.clear()
     engine.generate(PROMPT, 6, temperature=0.0, drafts="head", topk=4, depth=3, total_tokens=8)
     assert steps[0][0] == "AutoTree" and len(estimates) == 1  # the profile is here now

@@ -60,6 +60,8 @@ from rheo_engine.runtime.lookup_policy import (
 from rheo_engine.runtime.progress import waits
 from rheo_engine.runtime.request import Request
 from rheo_engine.runtime.tree_policy import (
+    ESTIMATE_DEPTH,
+    ESTIMATE_NODES,
     AutoTree,
     Calibration,
     CostLearner,
@@ -87,7 +89,7 @@ from rheo_engine.spec.lookup import (
     shadow_events,
     step_events,
 )
-from rheo_engine.spec.step import Draw, StepResult, max_tree_size, speculative_step
+from rheo_engine.spec.step import Draw, StepResult, fit_tree, max_tree_size, speculative_step
 from rheo_engine.spec.verify import Outcome, emitted_logprobs, verify_tree
 
 __all__ = ["BatchDecoder", "SeqState", "TreeGroup", "costs_setting"]
@@ -183,10 +185,12 @@ DORMANT_MIN, DORMANT_LEAD, DORMANT_MAX = 4, 4, QUIET_MAX
 
 @dataclass(frozen=True)
 class FirstPlain:
-    """The policy of a group's first step under an estimated profile (BatchDecoder._first_plain):
-    plain, priced by nothing, observing nothing; the decoder keeps the step's times."""
+    """The policy of a group's first steps under an estimated profile (BatchDecoder._first_plain):
+    a plain step, then (``tree``) a small tree fixed in advance, priced by nothing, observing
+    nothing; the decoder keeps each step's times for the estimate."""
 
     key: str
+    tree: bool = False
     predicted_s = None
 
     def observe(self, cfg: TreeConfig, outcome: Outcome, seconds: float) -> None:
@@ -295,9 +299,11 @@ class BatchDecoder:
             self.static_draft = StaticDraft(self.drafter, self.status, keys)
         self.running: list[SeqState] = []
         self._policies: dict[TreeGroup, FixedTree | AutoTree] = {}
-        # profile key -> (target forward, verification) seconds of its first plain step
-        # (_first_plain), for the estimate that follows it
+        # profile key -> (target forward, verification) seconds of its first plain step, and
+        # (nodes, target forward, verification) of its first tree (_first_plain), for the
+        # estimate that follows them
         self._plain_times: dict[str, tuple[float, float]] = {}
+        self._tree_times: dict[str, tuple[int, float, float]] = {}
         self._views: dict[tuple[int, ...], SlotBatch] = {}  # the last view of each batch
         self._turn = 0  # round robin over the groups
         self.tp = tp
@@ -555,7 +561,7 @@ class BatchDecoder:
             return [(seqs, PLAIN, None)]
         first = self._first_plain(seqs)
         if first is not None:
-            return [(seqs, PLAIN, first)]
+            return [(seqs, *first)]
         policy = self._policy(seqs[0])
 
         # Lossless (docs/tree_policy.md §7): the policy fixes the tree from what is known before
@@ -758,8 +764,8 @@ class BatchDecoder:
         if any(self.drafter.length(s.slot) == 0 for s in seqs):
             return self._plan_lookup(seqs, room, wanted)
         first = self._first_plain(seqs)
-        if first is not None:  # (plain for lookup too: its costs come from this profile)
-            return [(seqs, PLAIN, first, "", 0)]
+        if first is not None:  # (no lookup nodes: its costs come from this profile)
+            return [(seqs, *first, "", 0)]
         policy = self._policy(seqs[0])
         if isinstance(policy, AutoTree):
             policy.set_batch(len(seqs))
@@ -901,7 +907,11 @@ class BatchDecoder:
         )  # fmt: skip
         seconds = time.perf_counter() - start
         if isinstance(policy, FirstPlain):
-            self._plain_times[policy.key] = (result.times.target_s, result.times.verify_s)
+            times = (result.times.target_s, result.times.verify_s)
+            if policy.tree:
+                self._tree_times[policy.key] = (result.draft.tree.tokens.numel(), *times)
+            else:
+                self._plain_times[policy.key] = times
         if self.learners:
             self._learn(seqs, cfg, lookup, result, seconds)
         predicted = getattr(policy, "predicted_s", None)
@@ -1113,7 +1123,8 @@ class BatchDecoder:
         @waits("estimating this machine's step costs (once per model, dtype, threads, T = 0/> 0)")
         def estimated(key: str) -> CostProfile:
             start = time.perf_counter()
-            how = functools.partial(estimate_profile, plain=self._plain_times.get(key))
+            how = functools.partial(estimate_profile, plain=self._plain_times.get(key),
+                                    tree=self._tree_times.get(key))  # fmt: skip
             profile = self._measure(seq, key, how)
             request.measure_s += time.perf_counter() - start
             trim_heap()  # its trees and logits, freed, back to the OS (as measured's)
@@ -1177,21 +1188,35 @@ class BatchDecoder:
         return profile_key(target.cfg, head.cfg, target.device, target.dtype, pool, cfg.topk, tp,
                            self._weights, head.quantized_kinds())  # fmt: skip
 
-    def _first_plain(self, seqs: list[SeqState]) -> FirstPlain | None:
-        """A group's first step where its auto tree's profile would be estimated (one CPU
-        process, a sequence alone, no profile here, kept or brought): a plain step, whose target
-        forward and verification the estimate then takes for its one-node pair
-        (estimate_profile's ``plain``) rather than timing a forward of its own before the next
-        step; None where the step is planned as ever. Lossless: a shape fixed before the step."""
+    def _first_plain(self, seqs: list[SeqState]) -> tuple[TreeConfig, FirstPlain] | None:
+        """A group's first steps where its auto tree's profile would be estimated (one CPU
+        process, a sequence alone, no profile here, kept or brought), as (tree, policy): a
+        plain step, then a tree of the estimate's small size (4 nodes, the widest top-k, depth
+        3, as the room and the tokens wanted let it: fit_tree), whose target forwards and
+        verifications the estimate then takes for its two sizes (estimate_profile's ``plain``
+        and ``tree``) rather than timing forwards of its own, which yield nothing, before the
+        third step; None where the step is planned as ever (the estimate then times what no
+        step gave it). Lossless: shapes fixed before the step."""
         seq = seqs[0]
         request = seq.request
         if (len(seqs) != 1 or not self._learns or request.tree != "auto"
                 or request.cost_profile is not None or seq.group in self._policies):  # fmt: skip
             return None
         key = self._profile_key(seq)
-        if key in self._plain_times or self.profiles.get(key) or cached_profile(key):
+        if key in self._tree_times or self.profiles.get(key) or cached_profile(key):
             return None
-        return FirstPlain(key)
+        if key not in self._plain_times:
+            return PLAIN, FirstPlain(key)
+        cfg = request.tree_cfg
+        small = min(cfg.total_tokens, ESTIMATE_NODES)
+        shape = fit_tree(
+            dataclasses.replace(cfg, topk=max(topk_choices(cfg)), total_tokens=small,
+                                depth=min(cfg.depth, small - 1, ESTIMATE_DEPTH)),
+            self._room(seq), self._wanted(seq),
+        )  # fmt: skip
+        if shape.method == "ar" or shape.total_tokens < 2:
+            return None
+        return shape, FirstPlain(key, tree=True)
 
     def _measure(self, seq: SeqState, key: str, how=None) -> CostProfile:
         """Time target forwards, draft levels and verification on this sequence's own state

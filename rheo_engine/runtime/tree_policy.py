@@ -441,21 +441,28 @@ def measure_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_d
     )  # fmt: skip
 
 
+# The estimate's second size and its draft's depth (estimate_profile; the decoder's first tree
+# step, BatchDecoder._first_plain, has this shape where it fits)
+ESTIMATE_NODES, ESTIMATE_DEPTH = 4, 3
+
+
 def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_depth: int,
-                     topks: tuple[int, ...],
-                     plain: tuple[float, float] | None = None) -> CostProfile:  # fmt: skip
+                     topks: tuple[int, ...], plain: tuple[float, float] | None = None,
+                     tree: tuple[int, float, float] | None = None) -> CostProfile:  # fmt: skip
     """A first profile in a few forwards, for CostLearner to refine from the real steps
     (docs/tree_policy.md §4): each part timed once, at two sizes: a target forward and a
-    verification over 1 node and over ``small`` (4, or max_nodes when fewer), a depth-1 draft
-    and one depth-``deep`` draft per width, after one untimed draft (it runs the head over the
-    prompt's pairs, which the first tree would run anyway, and warms its expansion). Larger
-    trees cost what the slope between the two sizes says; nothing is calibrated. ``plain``:
-    the target forward's and the verification's seconds of a real plain step just taken (the
-    decoder's first step under this profile), which then stand for the one-node pair."""
+    verification over 1 node and over ``small`` (ESTIMATE_NODES, or max_nodes when fewer), a
+    depth-1 draft and one depth-``deep`` draft per width, after one untimed draft (it runs the
+    head over the pairs that wait for it, the prompt's where no tree ran yet, and warms its
+    expansion). Larger trees cost what the slope between the two sizes says; nothing is
+    calibrated. ``plain``: the target forward's and the verification's seconds of a real plain
+    step just taken (the decoder's first step under this profile), which then stand for the
+    one-node pair; ``tree``: (nodes, forward, verification) of a real tree step (its second),
+    which then stand for the ``small`` pair, ``small`` being its nodes."""
     start = time.perf_counter()
     widest = max(topks)
-    small = min(max_nodes, 4)
-    deep = min(max_depth, small - 1, 3)
+    small = min(max_nodes, ESTIMATE_NODES) if tree is None else tree[0]
+    deep = min(max_depth, small - 1, ESTIMATE_DEPTH)
     sizes = sorted({1, small})
     draft_s: dict[tuple[int, int], float] = {}
 
@@ -478,6 +485,8 @@ def estimate_profile(key: str, forward_tree, draft, verify, max_nodes: int, max_
     target_s, verify_s, logits = {}, {}, {}
     if plain is not None:
         target_s[1], verify_s[1] = plain
+    if tree is not None:
+        target_s[small], verify_s[small] = tree[1:]
     timed = [n for n in sizes if n not in target_s]
     for n in timed:
         begun = time.perf_counter()
