@@ -1102,6 +1102,25 @@ def test_a_profile_with_a_part_dearer_than_ten_forwards_is_doubted(tmp_path, mon
     assert "a draft level over 2 rows" in level.doubts()[0]
 
 
+def test_cost_learner_takes_a_dormant_steps_forward_not_its_step():
+    """A dormant step (an `ar` step keeping no features: cheaper than the plain step a profile
+    prices) gives its forward and verification, and counts towards done, but neither the plain
+    step's calibration nor lookup's plain step: those stay the plain steps' around it."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    learner = CostLearner(learner_estimate())
+    for _ in range(CostLearner.MIN_SAMPLES):
+        learner.observe("plain", 1, 1.5, 1.65, verify_s=0.1)
+    for _ in range(CostLearner.KEEP):
+        learner.observe("dormant", 1, 1.2, 1.25, verify_s=0.05)
+    prof = learner._refined()
+    assert learner.seen == CostLearner.MIN_SAMPLES + CostLearner.KEEP
+    assert prof.target(1) == pytest.approx(1.2) and prof.verify_s[1] == pytest.approx(0.05)
+    assert prof.lookup_s == pytest.approx({1: 1.65})
+    # the plain step is priced at what plain steps took, its parts now the dormant steps'
+    assert prof.step_scale[1] * prof.parts_s(0, 1, 0, 1) == pytest.approx(1.65)
+
+
 def test_lookup_steps_are_priced_from_the_learned_profile():
     """costs_from_profile on a learned profile: the seconds of the plain and lookup steps that
     ran; other sizes the forward plus verification and the median excess of the lookup trees

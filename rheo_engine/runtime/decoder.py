@@ -635,11 +635,12 @@ class BatchDecoder:
         probe from a context with a gap (which changes its drafts, never what a step emits:
         docs/tree_policy.md §3), and the emitted tokens join the lookup index at its end. Its
         steps are cheaper than the plain step a profile prices (no features): none runs while
-        the profile is learned or a kept one is checked (AutoTree.quiet_steps), whose steps must
-        be the priced ones. Not under tensor parallelism or on static buffers (their ranks and
-        buffers follow every step)."""
+        a kept profile is checked (AutoTree.quiet_steps), whose steps must be the priced ones,
+        and a profile that learns takes only their forwards and verifications (_learn). Not
+        under tensor parallelism or on static buffers (their ranks and buffers follow every
+        step)."""
         if policy is None or self.tp is not None or self.static_draft is not None or \
-                len(seqs) != policy.batch or policy.profile.key in self.learners:  # fmt: skip
+                len(seqs) != policy.batch:  # fmt: skip
             return
         group = seqs[0].group
         steps = policy.quiet_steps(max(map(self._wanted, seqs))) - DORMANT_LEAD
@@ -975,6 +976,8 @@ class BatchDecoder:
         batch = len(seqs)
         plain = cfg.method == "ar" or cfg.total_tokens == 1
         kind = "plain" if plain else {"": "head", "alone": "lookup"}.get(lookup, "merged")
+        if lookup == "dormant":  # cheaper than the plain step priced: its parts alone
+            kind = lookup
         shape = (cfg.depth, cfg.total_tokens, cfg.topk, batch)
         drafting = 0.0
         if kind == "head":

@@ -523,6 +523,9 @@ class CostLearner:
       trees alone), measured / predicted against the refined forwards and drafting.
     - Prompt lookup's steps (CostProfile.lookup_s): a plain step's seconds, and those of each
       lookup tree size that ran alone (lookup_policy.costs_from_profile reads them).
+    - A dormant step (the decoder's `ar` step that keeps no features: docs/tree_policy.md §3)
+      gives its forward and verification only: as a whole it is cheaper than the plain step
+      the profile prices, which the plain steps around the stretches calibrate.
 
     A refined profile is made at the first two observations, then every EVERY, every
     seen / 4 from the 16th on, every 4 * EVERY from the 64th (a refresh reprices every tree,
@@ -533,7 +536,7 @@ class CostLearner:
     cost stays estimated)."""
 
     KEEP, MIN_SAMPLES, EVERY, STEPS, TREES, MAX_STEPS = 5, 2, 4, 32, 4, 256
-    KINDS = ("plain", "head", "lookup", "merged")
+    KINDS = ("plain", "head", "lookup", "merged", "dormant")
 
     def __init__(self, estimate: CostProfile) -> None:
         self.estimate = self.profile = estimate
@@ -553,8 +556,9 @@ class CostLearner:
                 shape: tuple[int, int, int, int] = (0, 1, 0, 1), drafting_s: float = 0.0,
                 verify_s: float | None = None) -> CostProfile | None:  # fmt: skip
         """A real step of ``kind``: "plain", "head" (the head's tree of ``shape``, (depth,
-        nodes, topk, batch), alone), "lookup" (a lookup tree alone) or "merged" (the head's
-        tree with lookup nodes). Its target forward over ``rows`` rows took ``forward_s``, the
+        nodes, topk, batch), alone), "lookup" (a lookup tree alone), "merged" (the head's
+        tree with lookup nodes) or "dormant" (a plain step of a dormant stretch: its forward
+        and verification only). Its target forward over ``rows`` rows took ``forward_s``, the
         step ``seconds``, a head tree's drafting ``drafting_s`` (per sequence), its
         verifications ``verify_s`` (the batch's, over rows / batch nodes each). Returns the
         refined profile when one is made."""
