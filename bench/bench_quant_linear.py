@@ -83,7 +83,8 @@ def against_bench(rows: list[int], path: str, qtype: str) -> None:
     old = load_extension(path)
     torch.set_num_threads(1)
     timer = Timer("cpu", flush=True, budget_s=0.6)
-    print(f"# {qtype}, {isa_line()}, 1 thread, commit {commit_id()} against {path}")
+    print(f"# {qtype}, {isa_line()}, AMX tiles {kernels.quant_linear_amx()}, 1 thread, "
+          f"commit {commit_id()} against {path}")
     print("| matrix | n | before µs | after µs | speed-up | before t(n)/t(1) | "
           "after t(n)/t(1) | after µs per row |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -107,7 +108,8 @@ def against_bench(rows: list[int], path: str, qtype: str) -> None:
 def kernels_bench(rows: list[int], threads: int) -> None:
     torch.set_num_threads(threads)
     timer = Timer("cpu", flush=True, budget_s=0.6)
-    print(f"# {isa_line()}, {threads} thread(s), commit {commit_id()}")
+    print(f"# {isa_line()}, AMX tiles {kernels.quant_linear_amx()}, {threads} thread(s), "
+          f"commit {commit_id()}")
     print("| matrix | n | torch bf16 µs | skinny bf16 µs | Q8_0 µs | Q4_1 µs | skinny x | "
           "Q8_0 x | Q4_1 x | Q4_1 t(n)/t(1) | Q4_1 GB/s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -109,6 +109,9 @@ void quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_
                   at::Tensor& y);
 void quant_gather_rows(const at::Tensor& w, int64_t type, int64_t rows, const at::Tensor& ids,
                        at::Tensor& out);
+std::string quant_linear_amx();
+std::string set_quant_linear_amx(const std::string& mode);
+bool quant_linear_amx_self_check();
 
 // skinny linear (csrc/include/rheo/skinny_linear.h)
 void skinny_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);

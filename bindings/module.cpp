@@ -103,6 +103,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_q8", &b::quantize_rows_q8, "Rows of x as Q8 blocks of 32 (codes, scale, sum).");
   m.def("quant_linear", &b::quant_linear, "y = x W^T with W in packed Q8_0 / Q4_0 / Q4_1 blocks.");
   m.def("quant_gather_rows", &b::quant_gather_rows, "Rows of a packed W dequantized (embedding lookup).");
+  m.def("quant_linear_amx", &b::quant_linear_amx, "What the AMX-INT8 path runs on: hardware, emulated, off.");
+  m.def("set_quant_linear_amx", &b::set_quant_linear_amx, "Its mode: auto, off, emulate (tests).");
+  m.def("quant_linear_amx_self_check", &b::quant_linear_amx_self_check, "Its logic on emulated tiles.");
   // skinny linear
   m.def("skinny_linear", &b::skinny_linear, "y = x W^T for a few rows of x (fp32 sums).");
   m.def("skinny_linear_bf16_dot", &b::skinny_linear_bf16_dot, "Whether bf16 runs on vdpbf16ps.");

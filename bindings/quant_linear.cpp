@@ -165,4 +165,8 @@ void quant_gather_rows(const at::Tensor& w, int64_t type, int64_t rows, const at
   quant_gather_rows_cpu(a);
 }
 
+std::string quant_linear_amx() { return rheo::quant_linear_amx(); }
+std::string set_quant_linear_amx(const std::string& mode) { return rheo::set_quant_linear_amx(mode); }
+bool quant_linear_amx_self_check() { return rheo::quant_linear_amx_self_check(); }
+
 }  // namespace rheo::bind

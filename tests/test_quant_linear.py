@@ -4,11 +4,18 @@ Truth: x quantized to Q8 blocks by the header's rule (checked here against a pla
 it), then y = sum over blocks of (d_w * xd) * isum (+ m_w * xm) in float64 from the dequantized
 weights: the kernel's float32 sums must be within their rounding of it. Then the invariances the
 engine relies on: every CPU path (RHEO_CPU_ISA levels), 1 or 2 threads and any row count give
-the same bits, row i of a batch equals row i alone. The CUDA twin is checked against this CPU
-kernel in tests/cuda_emu (suite quant_linear).
+the same bits, row i of a batch equals row i alone; so does the AMX-INT8 path, on emulated tiles
+everywhere with AVX-512 VNNI and on the hardware where a CPU has it. The CUDA twin is checked
+against this CPU kernel in tests/cuda_emu (suite quant_linear).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +191,112 @@ def test_every_cpu_path_gives_the_same_bits(level, qtype):
             other = kernels.quant_linear(x, w.packed, qtype, 50)
         assert base[:, 3].isnan().all() and base[:, 7].isinf().any(), "the NaN / inf columns"
         assert_same_bits(base, other, f"{level} {dtype} out=50")
+
+
+@contextlib.contextmanager
+def amx_mode(mode: str):
+    """quant_linear's AMX path in ``mode`` inside the block (its state yielded), then as at
+    start (auto, unless RHEO_AMX=off)."""
+    try:
+        yield kernels.set_quant_linear_amx(mode)
+    finally:
+        kernels.set_quant_linear_amx("off" if os.environ.get("RHEO_AMX") == "off" else "auto")
+
+
+def require_emulated_amx() -> None:
+    require("avx512")
+    with amx_mode("emulate") as state:
+        if state != "emulated":
+            pytest.skip("the AMX path's float steps are AVX-512 VNNI's; this CPU has no VNNI")
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_amx_path_gives_every_paths_bits_on_emulated_tiles(qtype):
+    """The AMX-INT8 path's logic (tile products of 8-16 x rows, nibbles unpacked into the tile
+    of W, the VNNI path's float steps, the rows past the last full tile on the VNNI path), its
+    tile instructions emulated by their documented semantics: every row count from one tile of
+    8 to three tiles and a tail, float32 and bf16 y, NaN and inf scales, one and two threads,
+    equal bit for bit to the baseline level; and its self-check passes."""
+    require_emulated_amx()
+    assert kernels.quant_linear_amx_self_check()
+    w = weight(qtype, 100, 320, seed=7)
+    x = torch.randn(53, 320)
+    with dispatch("default"):
+        base = kernels.quant_linear(x, w.packed, qtype, 100)
+    with amx_mode("emulate") as state:
+        assert state == "emulated"
+        for n in [*range(1, 21), 31, 32, 33, 48, 53]:
+            got = kernels.quant_linear(x[:n], w.packed, qtype, 100)
+            assert_same_bits(base[:n], got, f"emulated AMX n={n}")
+    raw = random_blocks(qtype, 50, 64, seed=8)
+    raw[3, 1, :2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    raw[7, 0, :2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    w = QuantWeight.from_blocks(qtype, raw, (50, 64))
+    threads = torch.get_num_threads()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(24, 64).to(dtype)
+        with dispatch("default"):
+            base = kernels.quant_linear(x, w.packed, qtype, 50)
+        assert base[:, 3].isnan().all() and base[:, 7].isinf().any(), "the NaN / inf columns"
+        for t in (1, 2):
+            try:
+                torch.set_num_threads(t)
+                with amx_mode("emulate"):
+                    got = kernels.quant_linear(x, w.packed, qtype, 50)
+            finally:
+                torch.set_num_threads(threads)
+            assert_same_bits(base, got, f"emulated AMX {dtype} threads={t}")
+
+
+def test_amx_runs_only_where_the_cpu_lists_it_and_at_avx512():
+    """The hardware path only where /proc/cpuinfo lists AMX-INT8 (and then only if the OS grants
+    the tiles and the probe and self-check pass: hardware or off); never below the avx512
+    dispatch level, emulated or not; a bad mode fails in one line."""
+    with amx_mode("auto") as state:
+        if "amx_int8" not in cpu_flags():
+            assert state == "off", state
+        else:
+            assert state in ("hardware", "off"), state
+    with dispatch("avx2"), amx_mode("emulate") as state:
+        assert state == "off", state
+    with pytest.raises(ValueError, match="mode='tiles' is not one of"):
+        kernels.set_quant_linear_amx("tiles")
+
+
+def test_a_bad_rheo_amx_setting_fails_in_one_line():
+    code = ("import torch; from rheo_engine.spec import kernels; "
+            "kernels.quant_linear_amx()")  # fmt: skip
+    env = {**os.environ, "RHEO_AMX": "fast"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode != 0
+    assert "RHEO_AMX='fast' is not an AMX setting; use auto" in run.stderr, run.stderr[-500:]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_amx_hardware_path_gives_the_emulated_bits(qtype):
+    """Where the CPU runs AMX-INT8 tiles (listed, granted, checked): the hardware path's bits
+    equal the emulated path's and the baseline's, at one tile, several and a tail."""
+    with amx_mode("auto") as state:
+        if state != "hardware":
+            pytest.skip(f"this CPU runs no AMX-INT8 tiles here (AMX {state}; cpuinfo lists "
+                        f"amx_int8: {'amx_int8' in cpu_flags()})")  # fmt: skip
+        w = weight(qtype, 200, 576, seed=9)
+        x = torch.randn(70, 576).to(torch.bfloat16)
+        hardware = kernels.quant_linear(x, w.packed, qtype, 200)
+    with amx_mode("emulate"):
+        emulated = kernels.quant_linear(x, w.packed, qtype, 200)
+    with dispatch("default"):
+        base = kernels.quant_linear(x, w.packed, qtype, 200)
+    assert_same_bits(emulated, hardware, "hardware AMX")
+    assert_same_bits(base, hardware, "hardware AMX against the baseline")
 
 
 @pytest.mark.parametrize("level", ["default"] + LEVELS)

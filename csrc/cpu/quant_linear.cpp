@@ -14,18 +14,34 @@
 // row count gives the same bits (tests/test_quant_linear.py). The VNNI path runs where the
 // dispatch level (rheo/common.h cpu::active_isa) is AVX-512 and the CPU has AVX-512 BW + VNNI; the
 // AVX2 path where the level is AVX2 or above and the CPU has FMA and F16C; else the portable one.
+// At 8+ rows on such a CPU with AMX-INT8 that the OS grants (and that passes a self-check), the
+// AMX path computes the same exact integer dot products with tile products (tdpbssd) 16 x rows
+// at a time and does the VNNI path's float steps on them (docs/kernels.md §11).
 #include "rheo/quant_linear.h"
 
 #include "cpu_math.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define RHEO_HAVE_X86_PATHS 1
+#endif
+
+#if defined(RHEO_HAVE_X86_PATHS) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#define RHEO_HAVE_AMX_PATH 1
 #endif
 
 namespace rheo {
@@ -370,6 +386,176 @@ RHEO_VNNI void panel_vnni(const QuantLinearArgs& a, int64_t p, float* acc) {
   for (; i0 < a.n; ++i0) rows_vnni<1>(a, panel, i0, acc);
   store_vnni(a, p, acc);
 }
+
+#ifdef RHEO_HAVE_AMX_PATH
+// --- AMX-INT8 path: tile products of 16 W rows x up to 16 x rows, the VNNI path's float steps ---
+//
+// Per block, tile A (tmm1) holds R x rows' 32 codes as stored (xq's rows, one stride apart), tile
+// B (tmm2) the panel's codes as signed bytes in the record's own order (chunk c: 16 W rows x 4
+// columns = B's row c; Q4 nibbles unpacked into 8 such rows, low then high: columns 0..31), and
+// tdpbssd gives C (tmm0) [R x rows][16 W rows] = the exact int32 dot products, in the lanes
+// group_vnni holds them in. Stored, each x row's 16 sums take the same float steps as there.
+// A tile product is exact integer arithmetic, so the bits are the other paths'; x rows past the
+// last full group of R run the VNNI path. Tiles: tmm0 C, tmm1 A, tmm2 B (the intrinsics take the
+// tile as a literal). AmxTiles runs the instructions; AmxEmulated is their documented semantics in
+// plain C++ (Intel SDM: TILELOADD, TILESTORED, TILEZERO, TDPBSSD), which the tests run on any
+// AVX-512 CPU to check this path's logic where no AMX exists.
+
+#define RHEO_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c")))
+#define RHEO_AMX_INLINE \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c"), always_inline)) inline
+
+constexpr int kAmxRows = 16;     // x rows a tile product takes
+constexpr int kAmxMinRows = 8;   // fewer rows run the VNNI path (a tile product's fixed cost)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The configuration for R x rows: C [R][16 int32], A [R][32 bytes], B [8][64 bytes].
+inline TileConfig tile_config(int r) {
+  TileConfig c;
+  c.rows[0] = static_cast<uint8_t>(r), c.colsb[0] = 64;
+  c.rows[1] = static_cast<uint8_t>(r), c.colsb[1] = kQuantBlock;
+  c.rows[2] = kChunks, c.colsb[2] = 64;
+  return c;
+}
+
+struct AmxTiles {
+  static RHEO_AMX_INLINE void configure(const TileConfig& c) { _tile_loadconfig(&c); }
+  static RHEO_AMX_INLINE void release() { _tile_release(); }
+  static RHEO_AMX_INLINE void load_a(const void* p, int64_t stride) { _tile_loadd(1, p, stride); }
+  static RHEO_AMX_INLINE void load_b(const void* p) { _tile_loadd(2, p, 64); }
+  static RHEO_AMX_INLINE void product() {
+    _tile_zero(0);
+    _tile_dpbssd(0, 1, 2);
+  }
+  static RHEO_AMX_INLINE void store_c(int32_t* p) { _tile_stored(0, p, 64); }
+};
+
+struct AmxEmulated {
+  struct Tile {
+    int rows = 0, colsb = 0;
+    uint8_t data[16][64] = {};
+  };
+  static Tile* tiles() {
+    thread_local Tile t[3];
+    return t;
+  }
+  static void configure(const TileConfig& c) {
+    for (int t = 0; t < 3; ++t) tiles()[t] = Tile{c.rows[t], c.colsb[t], {}};  // zeroed
+  }
+  static void release() { configure(TileConfig{}); }
+  static void load(Tile& t, const void* p, int64_t stride) {
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < 64; ++j)
+        t.data[r][j] = r < t.rows && j < t.colsb
+                           ? static_cast<const uint8_t*>(p)[r * stride + j] : uint8_t{0};
+  }
+  static void load_a(const void* p, int64_t stride) { load(tiles()[1], p, stride); }
+  static void load_b(const void* p) { load(tiles()[2], p, 64); }
+  static void product() {  // TILEZERO tmm0; TDPBSSD tmm0, tmm1, tmm2
+    Tile &c = tiles()[0], &a = tiles()[1], &b = tiles()[2];
+    for (int m = 0; m < c.rows; ++m)
+      for (int n = 0; n < c.colsb / 4; ++n) {
+        int32_t sum = 0;
+        for (int k = 0; k < a.colsb / 4; ++k)
+          for (int i = 0; i < 4; ++i)
+            sum += static_cast<int8_t>(a.data[m][4 * k + i]) *
+                   static_cast<int8_t>(b.data[k][4 * n + i]);
+        std::memcpy(&c.data[m][4 * n], &sum, 4);
+      }
+  }
+  static void store_c(int32_t* p) {
+    const Tile& c = tiles()[0];
+    for (int m = 0; m < c.rows; ++m) std::memcpy(p + m * 16, c.data[m], c.colsb);
+  }
+};
+
+// One block of the panel for the R x rows i0..: their sums accv[g] updated as group_vnni does.
+template <class Tiles, int R>
+RHEO_AMX_INLINE void group_amx(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
+                               int64_t i0, __m512* accv) {
+  const int64_t nb = a.in / kQuantBlock;
+  const bool has_m = a.type == QuantType::kQ4_1;
+  const uint8_t* codes = record + (has_m ? 64 : 32);
+  alignas(64) uint8_t unpacked[kChunks * 64];
+  const uint8_t* wb = codes;
+  if (a.type != QuantType::kQ8_0) {  // nibbles to bytes: chunks 0-3 low (columns 0-15), 4-7 high
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + c * 64);
+      _mm512_store_si512(unpacked + c * 64, _mm512_and_si512(v, low4));
+      _mm512_store_si512(unpacked + (4 + c) * 64,
+                         _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+    wb = unpacked;
+  }
+  alignas(64) int32_t sums[kAmxRows * 16];
+  Tiles::load_a(a.xq + i0 * a.in + b * kQuantBlock, a.in);
+  Tiles::load_b(wb);
+  Tiles::product();
+  Tiles::store_c(sums);
+  const __m256i* halves = reinterpret_cast<const __m256i*>(record);  // 16 fp16 each
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)) : _mm512_setzero_ps();
+  const int32_t offset = a.type == QuantType::kQ4_0 ? 8 : 0;  // (tdpbssd takes Q8_0 as signed)
+  for (int g = 0; g < R; ++g) {
+    const int64_t ib = (i0 + g) * nb + b;
+    __m512i is = _mm512_load_si512(sums + g * 16);
+    if (offset != 0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(offset * a.xs[ib]));
+    __m512 v = accv[g];
+    v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib])), _mm512_cvtepi32_ps(is), v);
+    if (has_m) v = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xm[ib]), v);
+    accv[g] = v;
+  }
+}
+
+template <class Tiles, int R>
+RHEO_AMX_INLINE void rows_amx(const QuantLinearArgs& a, const uint8_t* panel, int64_t i0,
+                              float* acc) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  __m512 accv[R];
+  for (int g = 0; g < R; ++g) accv[g] = _mm512_loadu_ps(acc + (i0 + g) * kQuantPanel);
+  for (int64_t b = 0; b < nb; ++b) group_amx<Tiles, R>(a, panel + b * rec, b, i0, accv);
+  for (int g = 0; g < R; ++g) _mm512_storeu_ps(acc + (i0 + g) * kQuantPanel, accv[g]);
+}
+
+// Panels p_begin..p_end: x rows in tile products of R = min(16, n) (configured once per call),
+// the rows past the last full one by the VNNI path.
+template <class Tiles, int R>
+RHEO_AMX void panels_amx(const QuantLinearArgs& a, float* acc) {
+  const int64_t nb = a.in / kQuantBlock, rec = quant_record_bytes(a.type);
+  Tiles::configure(tile_config(R));
+  for (int64_t p = a.p_begin; p < a.p_end; ++p) {
+    std::fill(acc, acc + a.n * kQuantPanel, 0.0f);
+    const uint8_t* panel = a.w + p * nb * rec;
+    int64_t i0 = 0;
+    for (; i0 + R <= a.n; i0 += R) rows_amx<Tiles, R>(a, panel, i0, acc);
+    for (; i0 + 4 <= a.n; i0 += 4) rows_vnni<4>(a, panel, i0, acc);
+    for (; i0 < a.n; ++i0) rows_vnni<1>(a, panel, i0, acc);
+    store_vnni(a, p, acc);
+  }
+  Tiles::release();
+}
+
+template <class Tiles>
+void run_amx(const QuantLinearArgs& a, float* acc) {
+  switch (std::min<int64_t>(a.n, kAmxRows)) {  // R as a constant: the sums stay in registers
+    case 8: return panels_amx<Tiles, 8>(a, acc);
+    case 9: return panels_amx<Tiles, 9>(a, acc);
+    case 10: return panels_amx<Tiles, 10>(a, acc);
+    case 11: return panels_amx<Tiles, 11>(a, acc);
+    case 12: return panels_amx<Tiles, 12>(a, acc);
+    case 13: return panels_amx<Tiles, 13>(a, acc);
+    case 14: return panels_amx<Tiles, 14>(a, acc);
+    case 15: return panels_amx<Tiles, 15>(a, acc);
+    default: return panels_amx<Tiles, 16>(a, acc);
+  }
+}
+#endif  // RHEO_HAVE_AMX_PATH
 #pragma GCC diagnostic pop
 #endif  // RHEO_HAVE_X86_PATHS
 
@@ -388,6 +574,152 @@ PanelFn panel_fn() {
 #endif
   return &panel_portable;
 }
+
+#ifdef RHEO_HAVE_AMX_PATH
+// --- when the AMX path runs --------------------------------------------------------------------
+//
+// AMX faults where the CPU lists it but the OS has not granted this process its tile state (Linux
+// enables XTILEDATA per process on request), and some virtual machines list it and fault all the
+// same. So it runs only after: CPUID lists AMX-TILE and AMX-INT8 (and the VNNI path's AVX-512 BW,
+// VNNI, F16C), XCR0 has the tile state enabled, arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) grants
+// it, a tile product in a forked child (a fault kills the child only) gives the right sums, and
+// this path equals the portable one bit for bit on random panels of every type (amx_self_check).
+// Any failure: the VNNI path, as on a CPU without AMX. RHEO_AMX=off turns it off.
+
+enum AmxMode : int { kAmxOff = 0, kAmxAuto = 1, kAmxEmulate = 2 };
+
+int amx_mode_from_env() {
+  const char* v = std::getenv("RHEO_AMX");
+  if (v == nullptr || *v == '\0' || std::string(v) == "auto") return kAmxAuto;
+  if (std::string(v) == "off") return kAmxOff;
+  fail("RHEO_AMX='", v, "' is not an AMX setting; use auto (the default: AMX-INT8 tiles where ",
+       "the CPU and the OS grant them) or off");
+}
+
+std::atomic<int>& amx_mode() {
+  static std::atomic<int> mode{amx_mode_from_env()};
+  return mode;
+}
+
+bool vnni_listed() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+}
+
+bool amx_listed() {
+  unsigned eax, ebx, ecx, edx;
+  if (!vnni_listed() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17);  // XTILECFG and XTILEDATA enabled by the OS
+}
+
+bool amx_granted() {
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // asm/prctl.h, the kernel's xfeature
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+// One tile product in a forked child: true when it exited normally with the right sums.
+RHEO_AMX bool amx_probe() {
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    alignas(64) int8_t x[16 * kQuantBlock];
+    alignas(64) uint8_t w[kChunks * 64];
+    alignas(64) int32_t c[16 * 16];
+    for (int i = 0; i < 16 * kQuantBlock; ++i) x[i] = static_cast<int8_t>(i * 37 - 100);
+    for (int i = 0; i < kChunks * 64; ++i) w[i] = static_cast<uint8_t>(i * 59 + 3);
+    AmxTiles::configure(tile_config(16));
+    AmxTiles::load_a(x, kQuantBlock);
+    AmxTiles::load_b(w);
+    AmxTiles::product();
+    AmxTiles::store_c(c);
+    AmxTiles::release();
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        int32_t want = 0;
+        for (int k = 0; k < kQuantBlock; ++k)
+          want += x[m * kQuantBlock + k] * static_cast<int8_t>(w[(k / 4) * 64 + 4 * n + k % 4]);
+        if (c[m * 16 + n] != want) _exit(1);
+      }
+    _exit(0);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return false;
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// The AMX path (with Tiles) against the portable one on random panels of each type, at row counts
+// of one tile product, several, and a VNNI tail: true when every y bit agrees.
+template <class Tiles>
+bool amx_self_check() {
+  uint64_t state = 0x2545F4914F6CDD1Dull;
+  auto next = [&]() {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return state;
+  };
+  constexpr int64_t kIn = 3 * kQuantBlock, kOut = 40, kNb = kIn / kQuantBlock;
+  for (QuantType type : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1}) {
+    const int64_t rec = quant_record_bytes(type), panels = (kOut + kQuantPanel - 1) / kQuantPanel;
+    std::vector<uint8_t> w(panels * kNb * rec);
+    for (int64_t r = 0; r < panels * kNb; ++r) {
+      uint8_t* record = w.data() + r * rec;
+      const int scales = type == QuantType::kQ4_1 ? 32 : 16;
+      for (int j = 0; j < scales; ++j) {  // fp16 scales and mins of any sign, 2^-14 .. 2^5
+        const uint16_t h = static_cast<uint16_t>((next() & 0x83FF) | ((1 + next() % 20) << 10));
+        std::memcpy(record + 2 * j, &h, 2);
+      }
+      for (int64_t j = 2 * scales; j < rec; ++j) record[j] = static_cast<uint8_t>(next());
+    }
+    for (int64_t n : {8, 16, 37}) {
+      std::vector<int8_t> xq(n * kIn);
+      std::vector<float> xd(n * kNb), xm(n * kNb), want(n * kOut), got(n * kOut), acc(n * 16);
+      std::vector<int32_t> xs(n * kNb);
+      for (auto& v : xq) v = static_cast<int8_t>(static_cast<int>(next() % 255) - 127);
+      for (int64_t ib = 0; ib < n * kNb; ++ib) {  // xs, xm as quantize_rows_q8 makes them
+        xd[ib] = static_cast<float>(next() % 100000) * 1e-7f;
+        xs[ib] = 0;
+        for (int k = 0; k < kQuantBlock; ++k) xs[ib] += xq[ib * kQuantBlock + k];
+        xm[ib] = xd[ib] * static_cast<float>(xs[ib]);
+      }
+      QuantLinearArgs a;
+      a.xq = xq.data(), a.xd = xd.data(), a.xs = xs.data(), a.xm = xm.data(), a.w = w.data();
+      a.type = type, a.dtype = DType::kFloat32, a.n = n, a.in = kIn, a.out = kOut;
+      a.y_stride = kOut, a.p_begin = 0, a.p_end = panels;
+      a.y = want.data();
+      for (int64_t p = 0; p < panels; ++p) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        panel_portable(a, p, acc.data());
+      }
+      a.y = got.data();
+      run_amx<Tiles>(a, acc.data());
+      if (std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) != 0) return false;
+    }
+  }
+  return true;
+}
+
+bool amx_available() {
+  static const bool ok =
+      amx_listed() && amx_granted() && amx_probe() && amx_self_check<AmxTiles>();
+  return ok;
+}
+
+// Which tiles a call of n rows runs on: hardware, emulated (tests), or none (another path).
+enum class AmxRun { kNone, kHardware, kEmulated };
+
+AmxRun amx_run(int64_t n) {
+  const int mode = amx_mode().load(std::memory_order_relaxed);
+  if (mode == kAmxOff || n < kAmxMinRows || cpu::active_isa() < cpu::Isa::kAvx512)
+    return AmxRun::kNone;
+  if (mode == kAmxEmulate) return vnni_listed() ? AmxRun::kEmulated : AmxRun::kNone;
+  return amx_available() ? AmxRun::kHardware : AmxRun::kNone;
+}
+#endif  // RHEO_HAVE_AMX_PATH
 
 // --- activation quantization (the header's rule; every path gives the same bits) ---------------
 //
@@ -556,12 +888,51 @@ void quant_linear_cpu(const QuantLinearArgs& a) {
   RHEO_CHECK(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat32,
              "quant_linear writes bfloat16 or float32 y; pick one");
   if (a.n == 0) return;
-  const PanelFn fn = panel_fn();
   std::vector<float> acc(a.n * kQuantPanel);  // [n, 16] running sums of one panel
+#ifdef RHEO_HAVE_AMX_PATH
+  switch (amx_run(a.n)) {
+    case AmxRun::kHardware: return run_amx<AmxTiles>(a, acc.data());
+    case AmxRun::kEmulated: return run_amx<AmxEmulated>(a, acc.data());
+    case AmxRun::kNone: break;
+  }
+#endif
+  const PanelFn fn = panel_fn();
   for (int64_t p = a.p_begin; p < a.p_end; ++p) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     fn(a, p, acc.data());  // and y's columns of panel p
   }
+}
+
+std::string quant_linear_amx() {
+#ifdef RHEO_HAVE_AMX_PATH
+  switch (amx_run(kAmxMinRows)) {
+    case AmxRun::kHardware: return "hardware";
+    case AmxRun::kEmulated: return "emulated";
+    case AmxRun::kNone: break;
+  }
+#endif
+  return "off";
+}
+
+std::string set_quant_linear_amx(const std::string& mode) {
+#ifdef RHEO_HAVE_AMX_PATH
+  if (mode == "auto") amx_mode().store(kAmxAuto);
+  else if (mode == "off") amx_mode().store(kAmxOff);
+  else if (mode == "emulate") amx_mode().store(kAmxEmulate);
+  else fail("quant_linear AMX mode '", mode, "' is not one of auto, off, emulate");
+#else
+  RHEO_CHECK(mode == "auto" || mode == "off" || mode == "emulate", "quant_linear AMX mode '",
+             mode, "' is not one of auto, off, emulate");
+#endif
+  return quant_linear_amx();
+}
+
+bool quant_linear_amx_self_check() {
+#ifdef RHEO_HAVE_AMX_PATH
+  return vnni_listed() && amx_self_check<AmxEmulated>();
+#else
+  return false;
+#endif
 }
 
 void quant_gather_rows_cpu(const QuantGatherArgs& a) {

@@ -447,6 +447,28 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def quant_linear_amx() -> str:
+    """What quant_linear's AMX-INT8 path (8+ rows, the same bits as every path) runs on here:
+    "hardware" (the CPU lists AMX-INT8, the OS grants its tiles, a probe and a self-check passed),
+    "emulated" (the instructions' semantics in C++: tests) or "off" (the VNNI / AVX2 paths)."""
+    return _C.quant_linear_amx()
+
+
+def set_quant_linear_amx(mode: str) -> str:
+    """Set the AMX path's mode: "auto" (hardware where it is granted and checks out; the default,
+    or "off" where RHEO_AMX=off), "off", or "emulate" (its logic on emulated tiles, where the CPU
+    has AVX-512 VNNI: tests); returns quant_linear_amx() after the change."""
+    if mode not in ("auto", "off", "emulate"):
+        raise ValueError(f"mode={mode!r} is not one of 'auto', 'off', 'emulate'")
+    return _C.set_quant_linear_amx(mode)
+
+
+def quant_linear_amx_self_check() -> bool:
+    """The self-check the AMX path passes before it runs (random panels of each type, against the
+    portable path bit for bit), on emulated tiles: False without AVX-512 VNNI."""
+    return _C.quant_linear_amx_self_check()
+
+
 def skinny_linear_bf16_dot() -> bool:
     """Whether bf16 skinny_linear runs on AVX-512-BF16's vdpbf16ps (at the avx512 level): the
     CPU has it, it is allowed, and its bits passed the one-time self-check against the reference

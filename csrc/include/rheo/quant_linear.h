@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "rheo/common.h"
 
@@ -125,6 +126,14 @@ struct QuantGatherArgs {
 void quantize_rows_q8_cpu(const QuantRowsArgs& args);
 void quant_gather_rows_cpu(const QuantGatherArgs& args);
 void quant_linear_cpu(const QuantLinearArgs& args);
+// The AMX-INT8 path of quant_linear_cpu (8+ rows; the same bits as every path): which tiles it runs
+// on, "hardware", "emulated" (the instructions' semantics in C++, for tests) or "off"; the mode
+// "auto" (hardware where granted and self-checked; RHEO_AMX=off at start: off), "off" or
+// "emulate" (where the CPU has the VNNI path's AVX-512), returning the state after; and the
+// self-check of the path's logic on emulated tiles (false without AVX-512 VNNI).
+std::string quant_linear_amx();
+std::string set_quant_linear_amx(const std::string& mode);
+bool quant_linear_amx_self_check();
 #ifdef RHEO_WITH_CUDA
 cudaError_t quantize_rows_q8_cuda(const QuantRowsArgs& args, cudaStream_t stream);
 cudaError_t quant_linear_cuda(const QuantLinearArgs& args, cudaStream_t stream);
