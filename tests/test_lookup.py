@@ -641,6 +641,24 @@ def test_a_sequences_own_steps_correct_the_costs():
     assert choose_nodes(cands, local, 100, 100, 60)[0] > 2
 
 
+def test_a_load_that_slows_the_plain_steps_prices_the_trees_rows_alike():
+    """A load that makes the plain steps 3x slow makes a tree's rows 3x dear too before any tree
+    ran (the same core's work): a tree then costs 3x the profile's price, not the plain step's
+    excess plus the profile's rows; a tree step that runs at that load leaves the rows' own
+    factor at 1."""
+    from rheo_engine.runtime.lookup_policy import LocalCosts
+
+    local = LocalCosts(flat_costs())
+    base = {n: local.cost(n) for n in (1, 4, 16)}
+    for _ in range(40):
+        local.observe(1, 3.0 * base[1])
+    assert local.plain == pytest.approx(3.0, rel=1e-3)
+    for n in (1, 4, 16):
+        assert local.cost(n) == pytest.approx(3.0 * base[n], rel=1e-3)
+    local.observe(16, 3.0 * base[16])
+    assert local.rows == pytest.approx(1.0, rel=1e-3)
+
+
 def test_a_cost_profile_pins_the_lookup_costs():
     """A request's cost_profile= fixes lookup's step costs too (target + verification), and no
     step time corrects them: its trees reproduce."""

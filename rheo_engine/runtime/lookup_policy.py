@@ -56,8 +56,11 @@ class LocalCosts:
     """One sequence's step costs: the machine's (StepCosts) corrected by what its own steps
     took. A long context makes every row dearer (attention reads the whole prefix), which a
     profile measured at another length cannot know (DESIGN §2.7: a measured cost is evidence).
-    cost(n) = cost(1) * plain + (cost(n) - cost(1)) * rows: ``plain`` from its plain steps,
-    ``rows`` (the marginal row's factor) from its tree steps, each a decayed mean."""
+    cost(n) = plain * (cost(1) + (cost(n) - cost(1)) * rows): ``plain`` from its plain steps
+    (the machine's load now: it slows a tree's rows as it slows a plain step's), ``rows`` (the
+    marginal row's factor beyond that) from its tree steps, each a decayed mean. (With the rows
+    unscaled by the load, a host running 2.6x slow priced a 4-node lookup tree of the default
+    pair at 1.15 plain steps; it took 2.1.)"""
 
     costs: StepCosts
     plain: float = 1.0
@@ -70,7 +73,7 @@ class LocalCosts:
 
     def cost(self, n: int) -> float:
         one = self.costs.cost(1)
-        return one * self.plain + (self.costs.cost(n) - one) * self.rows
+        return self.plain * (one + (self.costs.cost(n) - one) * self.rows)
 
     def observe(self, n: int, seconds: float) -> None:
         one = self.costs.cost(1)
@@ -79,7 +82,7 @@ class LocalCosts:
             return
         extra = self.costs.cost(n) - one
         if extra > 0:
-            rows = max(0.25, (seconds - one * self.plain) / extra)
+            rows = max(0.25, (seconds / self.plain - one) / extra)
             self.rows = self.KEEP * self.rows + (1 - self.KEEP) * rows
 
 
