@@ -290,13 +290,15 @@ def test_the_amx_hardware_path_gives_the_emulated_bits(qtype):
                         f"amx_int8: {'amx_int8' in cpu_flags()})")  # fmt: skip
         w = weight(qtype, 200, 576, seed=9)
         x = torch.randn(70, 576).to(torch.bfloat16)
-        hardware = kernels.quant_linear(x, w.packed, qtype, 200)
-    with amx_mode("emulate"):
-        emulated = kernels.quant_linear(x, w.packed, qtype, 200)
-    with dispatch("default"):
-        base = kernels.quant_linear(x, w.packed, qtype, 200)
-    assert_same_bits(emulated, hardware, "hardware AMX")
-    assert_same_bits(base, hardware, "hardware AMX against the baseline")
+        for n in (8, 9, 13, 16, 17, 40, 70):
+            with amx_mode("auto"):
+                hardware = kernels.quant_linear(x[:n], w.packed, qtype, 200)
+            with amx_mode("emulate"):
+                emulated = kernels.quant_linear(x[:n], w.packed, qtype, 200)
+            with dispatch("default"):
+                base = kernels.quant_linear(x[:n], w.packed, qtype, 200)
+            assert_same_bits(emulated, hardware, f"hardware AMX n={n}")
+            assert_same_bits(base, hardware, f"hardware AMX against the baseline n={n}")
 
 
 @pytest.mark.parametrize("level", ["default"] + LEVELS)

@@ -654,7 +654,8 @@ RHEO_AMX bool amx_probe() {
 }
 
 // The AMX path (with Tiles) against the portable one on random panels of each type, at row counts
-// of one tile product, several, and a VNNI tail: true when every y bit agrees.
+// of one tile product of 8, 11 and 16 rows, and several with a VNNI tail: true when every y bit
+// agrees.
 template <class Tiles>
 bool amx_self_check() {
   uint64_t state = 0x2545F4914F6CDD1Dull;
@@ -675,7 +676,7 @@ bool amx_self_check() {
       }
       for (int64_t j = 2 * scales; j < rec; ++j) record[j] = static_cast<uint8_t>(next());
     }
-    for (int64_t n : {8, 16, 37}) {
+    for (int64_t n : {8, 11, 16, 37}) {
       std::vector<int8_t> xq(n * kIn);
       std::vector<float> xd(n * kNb), xm(n * kNb), want(n * kOut), got(n * kOut), acc(n * 16);
       std::vector<int32_t> xs(n * kNb);
