@@ -292,13 +292,41 @@ RHEO_VNNI_INLINE __m512i broadcast4_512(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A Q4 code vector's low and high nibbles as bytes (of chunk c: columns 4c + j, 16 + 4c + j).
+RHEO_VNNI_INLINE void nibbles_512(__m512i v, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+}
+
+// The header's float steps of one block for x rows i0..i0+G-1, lane by lane (16 lanes = the
+// panel's W rows): from their exact dot products isum[g] less offset * xs into accv[g]. Every
+// 16-lane path (VNNI, AMX) runs this one copy, so they round alike.
+template <int G>
+RHEO_VNNI_INLINE void block_steps_512(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
+                                      int64_t i0, const __m512i* isum, int32_t offset,
+                                      __m512* accv) {
+  const int64_t nb = a.in / kQuantBlock;
+  const bool has_m = a.type == QuantType::kQ4_1;
+  const __m256i* halves = reinterpret_cast<const __m256i*>(record);  // 16 fp16 each
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)) : _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const int64_t ib = (i0 + g) * nb + b;
+    __m512i is = isum[g];
+    if (offset != 0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(offset * a.xs[ib]));
+    __m512 v = accv[g];
+    v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib])), _mm512_cvtepi32_ps(is), v);
+    if (has_m) v = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xm[ib]), v);
+    accv[g] = v;
+  }
+}
+
 // One block of the panel for x rows i0..i0+G-1: their sums accv[g] (16 lanes) updated in place.
 template <int G>
 RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
                                  int64_t i0, __m512* accv) {
-  const int64_t nb = a.in / kQuantBlock;
-  const bool has_m = a.type == QuantType::kQ4_1;
-  const uint8_t* codes = record + (has_m ? 64 : 32);
+  const uint8_t* codes = record + (a.type == QuantType::kQ4_1 ? 64 : 32);
   const int8_t* xq[G];
   for (int g = 0; g < G; ++g) xq[g] = a.xq + (i0 + g) * a.in + b * kQuantBlock;
   __m512i isum[G];
@@ -313,31 +341,18 @@ RHEO_VNNI_INLINE void group_vnni(const QuantLinearArgs& a, const uint8_t* record
         isum[g] = _mm512_dpbusd_epi32(isum[g], w, broadcast4_512(xq[g] + 4 * c));
     }
   } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(codes + c * 64);
-      const __m512i lo = _mm512_and_si512(v, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      __m512i lo, hi;
+      nibbles_512(_mm512_loadu_si512(codes + c * 64), lo, hi);
       for (int g = 0; g < G; ++g) {
         isum[g] = _mm512_dpbusd_epi32(isum[g], lo, broadcast4_512(xq[g] + 4 * c));
         isum[g] = _mm512_dpbusd_epi32(isum[g], hi, broadcast4_512(xq[g] + 16 + 4 * c));
       }
     }
   }
-  const __m256i* halves = reinterpret_cast<const __m256i*>(record);  // 16 fp16 each
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
-  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)) : _mm512_setzero_ps();
   const int32_t offset = a.type == QuantType::kQ8_0 ? 128 : a.type == QuantType::kQ4_0 ? 8 : 0;
-  for (int g = 0; g < G; ++g) {
-    const int64_t ib = (i0 + g) * nb + b;
-    __m512i is = isum[g];
-    if (offset != 0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(offset * a.xs[ib]));
-    __m512 v = accv[g];
-    v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib])), _mm512_cvtepi32_ps(is), v);
-    if (has_m) v = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xm[ib]), v);
-    accv[g] = v;
-  }
+  block_steps_512<G>(a, record, b, i0, isum, offset, accv);
 }
 
 // x rows i0..i0+G-1 against every block of the panel, their sums kept in registers; the panel
@@ -478,18 +493,15 @@ struct AmxEmulated {
 template <class Tiles, int R>
 RHEO_AMX_INLINE void group_amx(const QuantLinearArgs& a, const uint8_t* record, int64_t b,
                                int64_t i0, __m512* accv) {
-  const int64_t nb = a.in / kQuantBlock;
-  const bool has_m = a.type == QuantType::kQ4_1;
-  const uint8_t* codes = record + (has_m ? 64 : 32);
+  const uint8_t* codes = record + (a.type == QuantType::kQ4_1 ? 64 : 32);
   alignas(64) uint8_t unpacked[kChunks * 64];
   const uint8_t* wb = codes;
   if (a.type != QuantType::kQ8_0) {  // nibbles to bytes: chunks 0-3 low (columns 0-15), 4-7 high
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(codes + c * 64);
-      _mm512_store_si512(unpacked + c * 64, _mm512_and_si512(v, low4));
-      _mm512_store_si512(unpacked + (4 + c) * 64,
-                         _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      __m512i lo, hi;
+      nibbles_512(_mm512_loadu_si512(codes + c * 64), lo, hi);
+      _mm512_store_si512(unpacked + c * 64, lo);
+      _mm512_store_si512(unpacked + (4 + c) * 64, hi);
     }
     wb = unpacked;
   }
@@ -498,19 +510,10 @@ RHEO_AMX_INLINE void group_amx(const QuantLinearArgs& a, const uint8_t* record, 
   Tiles::load_b(wb);
   Tiles::product();
   Tiles::store_c(sums);
-  const __m256i* halves = reinterpret_cast<const __m256i*>(record);  // 16 fp16 each
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
-  const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)) : _mm512_setzero_ps();
+  __m512i isum[R];
+  for (int g = 0; g < R; ++g) isum[g] = _mm512_load_si512(sums + g * 16);
   const int32_t offset = a.type == QuantType::kQ4_0 ? 8 : 0;  // (tdpbssd takes Q8_0 as signed)
-  for (int g = 0; g < R; ++g) {
-    const int64_t ib = (i0 + g) * nb + b;
-    __m512i is = _mm512_load_si512(sums + g * 16);
-    if (offset != 0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(offset * a.xs[ib]));
-    __m512 v = accv[g];
-    v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib])), _mm512_cvtepi32_ps(is), v);
-    if (has_m) v = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xm[ib]), v);
-    accv[g] = v;
-  }
+  block_steps_512<R>(a, record, b, i0, isum, offset, accv);
 }
 
 template <class Tiles, int R>
@@ -559,13 +562,20 @@ void run_amx(const QuantLinearArgs& a, float* acc) {
 #pragma GCC diagnostic pop
 #endif  // RHEO_HAVE_X86_PATHS
 
+#ifdef RHEO_HAVE_X86_PATHS
+// What the VNNI path (and the AMX path's float steps) need of the CPU.
+bool vnni_listed() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+}
+#endif
+
 // A panel: its sums into acc [n, 16] (zeroed by the caller), then y's 16 columns from them.
 using PanelFn = void (*)(const QuantLinearArgs&, int64_t, float*);
 
 PanelFn panel_fn() {
 #ifdef RHEO_HAVE_X86_PATHS
-  static const bool vnni = __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+  static const bool vnni = vnni_listed();
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
   const cpu::Isa level = cpu::active_isa();
@@ -599,11 +609,6 @@ int amx_mode_from_env() {
 std::atomic<int>& amx_mode() {
   static std::atomic<int> mode{amx_mode_from_env()};
   return mode;
-}
-
-bool vnni_listed() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
 }
 
 bool amx_listed() {
