@@ -18,6 +18,7 @@ from rheo_engine.runtime.tree_policy import (
     Calibration,
     CostProfile,
     TreeUsage,
+    prior_weight,
     profile_key,
 )
 from rheo_engine.spec.draft import pool_kind
@@ -429,7 +430,14 @@ def test_break_even_table_from_a_saved_profile(tmp_path, capsys):
     out = capsys.readouterr().out
     # depth 1, N = 2, topk 2: 1 + 10 + 110 ms = 121 ms, 1.21 plain steps
     assert "plain step: 100.00 ms (toy)" in out and "| 1 | 2 | 2 | 121.0 | 1.21 |" in out
+    assert "acceptance carried" not in out
     assert main([str(tmp_path / "missing.json")]) == 2
+    # the acceptance a profile carries: per cell τ, steps, requests, what a request takes of it
+    prof.acceptance = {"2,1,2": cell([(5.0, 10.0, 5.0)] * 6, "2,1,2")}
+    prof.save(tmp_path / "p.json")
+    assert main([str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "acceptance carried" in out and "| 2 | 1 | 2 | 1.50 | 60.0 | 6.0 | 8.0 |" in out
 
 
 def test_plain_steps_after_a_search_do_not_search_again():
@@ -1161,15 +1169,21 @@ def test_cost_learner_refreshes_every_few_steps_and_is_done_after_enough_trees(m
     # the first two steps, then every EVERY-th
     assert made == [True, True, False, False, False, True, False, False, False, True, False,
                     False]  # fmt: skip
-    assert not learner.done  # plain steps only: the drafting is not learned yet
+    assert not learner.costs_done  # plain steps only: the drafting is not learned yet
     for _ in range(CostLearner.TREES):
+        assert not learner.costs_done
+        made = learner.observe("head", 4, 2.0, 2.5, (2, 4, 10, 1), drafting_s=0.5)
+    assert learner.costs_done and made is not None  # the final costs
+    # then no step refines them; the profile is final once REQUESTS requests were gathered
+    assert learner.observe("plain", 1, 9.0, 9.0) is None and learner.profile is made
+    for _ in range(CostLearner.REQUESTS):
         assert not learner.done
-        learner.observe("head", 4, 2.0, 2.5, (2, 4, 10, 1), drafting_s=0.5)
+        learner.gather({"4,1,2": [1.0, 2.0, 1.0]})
     assert learner.done
     plain_only = CostLearner(learner_estimate())
     for _ in range(CostLearner.MAX_STEPS):
         plain_only.observe("plain", 1, 1.0, 1.0)
-    assert plain_only.done  # where trees seldom run, it ends anyway
+    assert plain_only.done  # where trees seldom run, it ends anyway, gathered or not
 
 
 def test_the_cpu_engine_estimates_then_learns_and_keeps_the_profile(tiny, tmp_path, monkeypatch):
@@ -1185,6 +1199,7 @@ def test_the_cpu_engine_estimates_then_learns_and_keeps_the_profile(tiny, tmp_pa
     monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
     monkeypatch.setattr(CostLearner, "STEPS", 6)
     monkeypatch.setattr(CostLearner, "TREES", 0)  # done after 6 steps, trees or not
+    monkeypatch.setattr(CostLearner, "REQUESTS", 1)  # and the first request's acceptance
     ran = []
     for name in ("_calibrate", "_measure_lookup"):
         monkeypatch.setattr(BatchDecoder, name, lambda *a, _n=name: ran.append(_n))
@@ -1366,3 +1381,178 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
         tight += declined
         assert declined or wanted < 2, (trial, quiet)
     assert stretches > 20 and tight > 10 and checked > 0, (stretches, tight, forever, checked)
+
+
+# --- acceptance carried by a profile (docs/tree_policy.md §5) ------------------------------------
+
+
+def replay(stats: AcceptanceStats, steps) -> None:
+    for depths, accepted in steps:
+        stats.add(np.array(depths), np.array(accepted, dtype=float), max(depths))
+
+
+def cell(requests, key="2,1,3"):
+    """An acceptance cell (ACCEPTANCE_FIELDS) from each request's (sum, count, squares)."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    learner = CostLearner(learner_estimate())
+    for total, count, squares in requests:
+        learner.gather({key: [total, count, squares]})
+    return learner.acceptance()[key]
+
+
+def test_the_prior_weighs_what_the_requests_spread_says():
+    """Empirical Bayes: requests that agree (their means no further apart than each one's own
+    noise explains) make a prior worth PRIOR_STEPS steps; requests that disagree, few; one
+    request alone, one step (it says nothing of the spread); never more steps than it holds."""
+    most = 8.0
+    # steps accepting 0 or 1 drafts, half each, in every request: no spread between them
+    alike = cell([(5.0, 10.0, 5.0)] * 6)
+    assert prior_weight(alike, 3, most) == most
+    # one request accepts every draft, another none: their means differ far beyond the noise
+    apart = cell([(20.0, 10.0, 40.0), (0.0, 10.0, 0.0), (20.0, 10.0, 40.0), (0.0, 10.0, 0.0)])
+    assert prior_weight(apart, 3, most) < 0.5
+    # between: some spread, some noise
+    some = cell([(9.0, 10.0, 9.0), (1.0, 10.0, 1.0), (8.0, 10.0, 8.0), (2.0, 10.0, 2.0)])
+    assert 0.5 < prior_weight(some, 3, most) < most
+    assert prior_weight(cell([(5.0, 10.0, 5.0)]), 3, most) == 1.0
+    # requests seen once each say nothing of the within variance: a binomial's is assumed,
+    # which their spread (2 of 6 accepted nothing) does not exceed by much
+    once = cell([(1.0, 1.0, 1.0), (0.0, 1.0, 0.0), (1.0, 1.0, 1.0)] * 2, "2,1,2")
+    assert 4.0 <= prior_weight(once, 2, most) <= 6.0
+    assert prior_weight(cell([(0.2, 0.5, 0.2), (0.2, 0.5, 0.2)]), 3, most) <= 1.0
+
+
+def test_a_seeded_request_starts_from_the_prior_and_gives_back_only_its_own_evidence():
+    """A width's cells start at the earlier requests' mean, weighted as prior_weight says,
+    read unshrunk where the seed has its full weight (shrunk by the share it lacks
+    otherwise); what a request gives back (own) is its steps alone, the seed's decayed share
+    taken out; other widths' cells are not read."""
+    sizes = (2, 3, 4, 6)
+    full = cell([(6.0, 10.0, 6.0)] * 4)  # alike: PRIOR_STEPS steps of mean 0.6
+    weak = cell([(2.5, 1.0, 6.25)], "2,2,4")  # one request: one step
+    prior = {"2,1,3": full, "2,2,4": weak, "4,1,3": full}
+    seeded = AcceptanceStats(2, sizes)
+    seeded.seed(prior, 2)
+    w = AcceptanceStats.PRIOR_STEPS
+    assert seeded.counts[0, 1] == w and seeded.sums[0, 1] == pytest.approx(0.6 * w)
+    assert seeded.counts[1, 2] == 1.0 and seeded.sums[1, 2] == 2.5
+    assert seeded.counts.sum() == w + 1.0  # nothing else, nor width 4's cell
+    est = seeded.expected()
+    assert est[0, 1] == pytest.approx(0.6)
+    assert est[1, 2] == pytest.approx(2.5 / (1.0 + AcceptanceStats.SHRINK * (1 - 1.0 / w)))
+    assert est[0, 0] == 0.0  # a cell nothing covered
+    assert seeded.own(2) == {}
+    steps = [([1, 1, 2, 2, 2], [1, 0, 1, 0, 0]), ([1, 1, 2], [0, 1, 0]), ([1, 2, 2], [1, 1, 0])]
+    replay(seeded, steps)
+    fresh = AcceptanceStats(2, sizes)
+    replay(fresh, steps)
+    own, alone = seeded.own(2), fresh.own(2)
+    assert own.keys() == alone.keys() and own
+    for key, row in alone.items():
+        assert own[key] == pytest.approx(row)
+    assert alone["2,1,3"] == pytest.approx([0.9 + 1, 0.9 + 1, 0.9 + 1])  # each step 1 of 2
+    # the seed fades with each step that covers its cell: the first two here (the third has
+    # one node at depth 1), so it weighs w * 0.9 ** 2
+    assert seeded.counts[0, 1] == pytest.approx(w * 0.9**2 + fresh.counts[0, 1])
+    # a mutation that forgets to fade the seed's share gives the seed back as own evidence
+    with pytest.raises(AssertionError):
+        broken = AcceptanceStats(2, sizes)
+        broken.seed(prior, 2)
+        kept = broken.seed_counts.copy(), broken.seed_sums.copy()
+        replay(broken, steps)
+        broken.seed_counts, broken.seed_sums = kept
+        assert broken.own(2)["2,1,3"] == pytest.approx(alone["2,1,3"])
+
+
+def test_profile_acceptance_round_trips_and_a_malformed_one_is_refused(tmp_path):
+    # a depth past N - 1 is kept too (AcceptanceStats covers it: the tree of N - 1 levels)
+    profile = dataclasses.replace(learner_estimate(), acceptance={
+        "2,1,3": cell([(1.5, 3.0, 1.5)]), "2,4,2": cell([(0.5, 1.0, 0.5)], "2,4,2")})
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert CostProfile.load(path) == profile
+    good = profile.acceptance["2,1,3"]
+    for bad in ({"2,1,3": [7.0, 3.0, *good[2:]]},  # more than 2 drafts a step from 3 nodes
+                {"2,1,3": [1.0, 0.0, *good[2:]]}, {"2,0,3": good}, {"2,1,1": good},
+                {"0,1,3": good}, {"2,1": good},
+                {"2,1,3": [float("nan"), *good[1:]]}, {"2,1,3": good[:2]},
+                {"x,1,3": good}, {"2,1,3": [*good[:5], 0.0]},
+                {"2,1,3": [*good[:2], -1.0, *good[3:]]}):
+        raw = dataclasses.asdict(profile) | {"acceptance": bad}
+        path.write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match="cost profile .*: cannot read it"):
+            CostProfile.load(path)
+
+
+def test_cost_learner_gathers_acceptance_into_its_profiles():
+    """Requests' evidence adds up per cell (sums, counts, squares, and what the spread between
+    requests needs), held to ACCEPTANCE_STEPS steps (the mean kept), and every refined profile
+    carries it; a relearned profile starts from the acceptance it had."""
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    learner = CostLearner(learner_estimate())
+    learner.gather({"2,1,3": [1.0, 2.0, 1.0]})
+    learner.gather({"2,1,3": [3.0, 2.0, 5.0], "2,2,4": [2.0, 1.0, 4.0]})
+    assert learner.requests == 2
+    assert learner.acceptance() == {"2,1,3": [4.0, 4.0, 6.0, 0.5 + 4.5, 8.0, 2.0],
+                                    "2,2,4": [2.0, 1.0, 4.0, 4.0, 1.0, 1.0]}  # fmt: skip
+    learner.gather({"2,1,3": [100.0, 100.0, 100.0]})
+    row = learner.acceptance()["2,1,3"]
+    assert row[1] == CostLearner.ACCEPTANCE_STEPS and row[0] / row[1] == pytest.approx(104 / 104)
+    assert row[5] == pytest.approx(3 * CostLearner.ACCEPTANCE_STEPS / 104)
+    refined = learner.observe("plain", 1, 1.0, 1.0)
+    assert refined is not None and refined.acceptance == learner.acceptance()
+    again = CostLearner(refined.scaled(2.0))  # a contradicted profile learned again
+    assert again.acceptance() == refined.acceptance and again.requests == 0
+
+
+def test_a_learned_profile_carries_its_requests_acceptance(tiny, tmp_path, monkeypatch):
+    """On one CPU process the requests that learn a profile gather what their trees accepted:
+    a later request starts from it, the final profile keeps it (on disk too), and a new
+    engine's requests start from the kept one, which no request changes any more (a seed
+    reproduces)."""
+    from rheo_engine.runtime.decoder import BatchDecoder
+    from rheo_engine.runtime.tree_policy import CostLearner
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(CostProfile, "doubts", lambda self: [])
+    monkeypatch.setattr(AutoTree, "CONTRADICTION", float("inf"))
+    monkeypatch.setattr(AutoTree, "MARGIN", 0.0)  # every step a tree: evidence at every step
+    monkeypatch.setattr(CostLearner, "STEPS", 4)
+    monkeypatch.setattr(CostLearner, "TREES", 0)
+    monkeypatch.setattr(CostLearner, "REQUESTS", 2)
+    seeds = []  # each request's seeded cells, as its auto tree starts
+    made = AutoTree.__init__
+
+    def init(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        seeds.append(sum(float(s.seed_counts.sum()) for s in self.stats.values()))
+
+    monkeypatch.setattr(AutoTree, "__init__", init)
+    SMALL = dict(topk=4, depth=3, total_tokens=8, ignore_eos=True, temperature=1.0)
+
+    def new_engine() -> Engine:
+        return Engine(tiny.target, tiny.head, tiny.tokenizer, tiny.generation_config)
+
+    engine = new_engine()
+    first = engine.generate(PROMPT, 12, seed=1, **SMALL)
+    assert sum(first.accept_lengths) > len(first.accept_lengths)  # drafts were accepted
+    (learner,) = engine.cost_learners.values()
+    assert learner.costs_done and not learner.done and learner.requests == 1
+    gathered = learner.acceptance()
+    assert gathered and seeds == [0.0]  # the first request started from nothing
+    engine.generate(PROMPT, 12, seed=2, **SMALL)
+    assert seeds[1] > 0 and engine.cost_learners == {}  # the second from the first's; final
+    (kept,) = (tmp_path / "cache").glob("profiles/*.json")
+    learned = CostProfile.load(kept)
+    assert learned.acceptance and learned == next(iter(engine.cost_profiles.values()))
+    assert all(learned.acceptance[c][1] >= v[1] for c, v in gathered.items())
+    runs = []
+    for _ in range(2):  # a new engine's requests start from the kept acceptance
+        other = new_engine()
+        runs.append(other.generate(PROMPT, 16, seed=9, **SMALL))
+        other.generate(PROMPT, 16, seed=3, **SMALL)
+        assert other.cost_learners == {} and seeds[-1] == seeds[-2] > 0
+        assert CostProfile.load(kept) == learned  # no request changes it
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].trees.shapes == runs[1].trees.shapes

@@ -472,7 +472,31 @@ class BatchDecoder:
             self.running.remove(seq)
             self._free_slot(seq.slot)
             if not any(s.group == seq.group for s in self.running):
-                self._policies.pop(seq.group, None)
+                self._gather(self._policies.pop(seq.group, None))
+
+    def _gather(self, policy) -> None:
+        """A finished group's acceptance evidence to the profile its auto tree learns with, if
+        it still learns (CostLearner.gather): the next requests start from it."""
+        if isinstance(policy, AutoTree) and policy.learns:
+            learner = self.learners.get(policy.profile.key)
+            if learner is not None:
+                learner.gather(policy.evidence())
+                if learner.done:
+                    self._finish(policy.profile.key, learner)
+
+    def _finish(self, key: str, learner: CostLearner) -> None:
+        """A learned profile made final: the running requests' acceptance evidence gathered too,
+        the profile given it (CostProfile.acceptance: read by the policies made from now on; the
+        running ones keep theirs) and kept for later processes, unless in doubt."""
+        if self.learners.pop(key, None) is not learner:  # (callers in threads)
+            return
+        for other in self._policies.values():
+            if isinstance(other, AutoTree) and other.learns and other.profile.key == key:
+                learner.gather(other.evidence())
+        profile = learner.profile
+        profile.acceptance = learner.acceptance()
+        self.profiles[key] = profile
+        keep_profile(profile)  # unless in doubt (CostProfile.doubts)
 
     def _free_slot(self, slot: int) -> None:
         """Give a slot back: its KV rows, the head's pairs and the views that held it."""
@@ -987,15 +1011,16 @@ class BatchDecoder:
         rows = result.draft.tree.tokens.numel()
         refined = learner.observe(kind, rows, result.times.target_s, seconds, shape, drafting,
                                   result.times.verify_s)  # fmt: skip
-        if refined is None:
-            return
-        key = refined.key
-        self.profiles[key] = refined
-        for other in self._policies.values():
-            if isinstance(other, AutoTree) and other.learns and other.profile.key == key:
-                other.reprice(refined)
-        if learner.done and self.learners.pop(key, None) is learner:  # (callers in threads)
-            keep_profile(refined)  # unless in doubt (CostProfile.doubts)
+        key = policy.profile.key
+        if refined is not None:
+            self.profiles[key] = refined
+            for other in self._policies.values():
+                if isinstance(other, AutoTree) and other.learns and other.profile.key == key:
+                    other.reprice(refined)
+            if learner.costs_done and not learner.done:
+                keep_profile(refined)  # its costs, for later processes (unless in doubt)
+        if learner.done:
+            self._finish(key, learner)
 
     def _observe_lookup(self, s: SeqState, dt: DraftTree, row: Outcome, cfg: TreeConfig,
                         lookup: str) -> Outcome:  # fmt: skip
@@ -1177,8 +1202,11 @@ class BatchDecoder:
             if isinstance(request.cost_profile, (str, Path)):  # a path not there yet
                 profile.save(request.cost_profile)
             # A kept profile is checked against the first real steps; a pinned one is not.
-            policy = AutoTree(cfg, profile, check=kept)
-            policy.learns = key in self.learners and profile is self.profiles.get(key)
+            learning = key in self.learners and profile is self.profiles.get(key)
+            # A learning profile's requests start from all that the earlier ones gathered
+            prior = self.learners[key].acceptance() if learning else None
+            policy = AutoTree(cfg, profile, check=kept, prior=prior)
+            policy.learns = learning
             policy.pinned = request.cost_profile is not None  # its trees reproduce
         self._policies[seq.group] = policy
         return policy

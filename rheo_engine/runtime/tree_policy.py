@@ -170,6 +170,13 @@ class CostProfile:
     # forward of the default pair at ~2 plain steps, which took 25 (a first probe); twice the
     # most rows timed, and as the real steps run larger forwards (CostLearner) twice theirs.
     trusted_rows: int = 0
+    # The head's acceptance on the requests this profile learned from, by "topk,depth,nodes"
+    # -> ACCEPTANCE_FIELDS over those requests' own evidence (AcceptanceStats.own: decayed
+    # sums of the drafts such a tree would have accepted, of their squares and of the steps
+    # that covered it): each request's auto tree starts from it (AcceptanceStats.seed, as many
+    # steps as the requests' spread says it is worth) rather than from nothing. Gathered while
+    # the profile learns (CostLearner.gather), fixed with it once final (docs/tree_policy.md §5).
+    acceptance: dict[str, list[float]] = field(default_factory=dict)
 
     def scaled(self, ratio: float) -> CostProfile:
         """This profile with every time (forwards, drafting, verification, lookup steps) times
@@ -286,6 +293,7 @@ class CostProfile:
                 spread={str(k): float(v) for k, v in raw.get("spread", {}).items()},
                 lookup_s=table("lookup_s") if "lookup_s" in raw else {},
                 trusted_rows=int(raw.get("trusted_rows", 0)),
+                acceptance=_acceptance_table(raw.get("acceptance", {})),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(
@@ -293,6 +301,53 @@ class CostProfile:
                 "written by the engine (CostProfile.save / --cost-profile), or delete it to "
                 "measure again"
             ) from None
+
+
+# A cell of CostProfile.acceptance, summed over requests r with own evidence there (s_r, c_r,
+# q_r: AcceptanceStats.own): sum s_r, count c_r, squares q_r, between s_r^2 / c_r, count_sq
+# c_r^2, requests 1
+ACCEPTANCE_FIELDS = ("sum", "count", "squares", "between", "count_sq", "requests")
+WITHIN_PRIOR = 2.0  # steps of a binomial's variance in prior_weight's within variance
+
+
+def _acceptance_table(raw: dict) -> dict[str, list[float]]:
+    """A profile file's ``acceptance``, checked: each cell "topk,depth,nodes" (ints >= 1, nodes
+    >= 2; a depth past nodes - 1 is the tree of nodes - 1 levels, as AcceptanceStats keeps
+    it) holds the ACCEPTANCE_FIELDS, finite, count and requests > 0, the sum at most
+    count * (nodes - 1), none negative."""
+    table = {}
+    for cell, values in raw.items():
+        k, d, n = (int(v) for v in str(cell).split(","))
+        row = [float(v) for v in values]
+        total, count, *_, requests = row
+        if not (k >= 1 and d >= 1 and n >= 2 and len(row) == len(ACCEPTANCE_FIELDS)
+                and all(0 <= v < math.inf for v in row) and count > 0 and requests > 0
+                and total <= count * (n - 1) * (1 + 1e-9)):  # fmt: skip
+            raise ValueError(f"acceptance cell {cell!r}: {values!r} is no "
+                             f"[{', '.join(ACCEPTANCE_FIELDS)}] of a tree of that size")
+        table[f"{k},{d},{n}"] = row
+    return table
+
+
+def prior_weight(row: list[float], nodes: int, most: float) -> float:
+    """How many of a request's own steps a cell's earlier evidence is worth (empirical Bayes,
+    one-way random effects): the within-request variance of a step's accepted count over the
+    variance of the requests' true means, at most ``most`` and the steps it holds. Requests
+    alike (the between variance no more than the within noise explains): ``most``; one request
+    alone says nothing of the spread: one step. The within variance is pooled from the
+    requests' repeated steps and WITHIN_PRIOR steps of a binomial's m (1 - m / (nodes - 1))
+    (a request seen once says nothing of it: each request's first steps were often its only)."""
+    total, count, squares, between, count_sq, requests = row
+    if requests < 2:
+        return min(1.0, count)
+    mean = total / count
+    binomial = mean * max(0.0, 1.0 - mean / (nodes - 1))
+    within = (max(squares - between, 0.0) + WITHIN_PRIOR * binomial) / (
+        max(count - requests, 0.0) + WITHIN_PRIOR)
+    spread = between - total * total / count  # sum of c_r (m_r - m)^2
+    tau2 = (spread - (requests - 1) * within) / max(count - count_sq / count, 1e-9)
+    weight = most if tau2 <= 0 else min(most, within / tau2)
+    return min(weight, count)
 
 
 # --- measured profiles kept between processes (rheo_engine.machine) ------------------------------
@@ -529,14 +584,21 @@ class CostLearner:
 
     A refined profile is made at the first two observations, then every EVERY, every
     seen / 4 from the 16th on, every 4 * EVERY from the 64th (a refresh reprices every tree,
-    ~1 ms, not to be paid every plain step of a while that learns slowly). It is final
-    (``done``: the decoder keeps it for later processes, keep_profile, which then decide as
-    this one's later requests do) after STEPS steps of which TREES were the head's trees, or
-    after MAX_STEPS steps (where the head's trees seldom pay, e.g. at T = 1: the drafting
-    cost stays estimated)."""
+    ~1 ms, not to be paid every plain step of a while that learns slowly). Its costs are final
+    (``costs_done``: the decoder keeps them for later processes, keep_profile) after STEPS
+    steps of which TREES were the head's trees, or after MAX_STEPS steps (where the head's
+    trees seldom pay, e.g. at T = 1: the drafting cost stays estimated). The requests that
+    learn it also gather their acceptance evidence (``gather``, ``acceptance``: the
+    profile's CostProfile.acceptance, where later requests start from); it is final
+    (``done``: kept again with it, and then this process's later requests decide as later
+    processes do) once REQUESTS requests were gathered or MAX_STEPS steps ran."""
 
     KEEP, MIN_SAMPLES, EVERY, STEPS, TREES, MAX_STEPS = 5, 2, 4, 32, 4, 256
     KINDS = ("plain", "head", "lookup", "merged", "dormant")
+    # The requests whose acceptance evidence a final profile carries, at least (or MAX_STEPS
+    # steps); the most steps a cell of it counts (older ones scaled down: a relearned
+    # profile's earlier evidence fades as new requests add theirs)
+    REQUESTS, ACCEPTANCE_STEPS = 4, 64.0
 
     def __init__(self, estimate: CostProfile) -> None:
         self.estimate = self.profile = estimate
@@ -546,11 +608,39 @@ class CostLearner:
         self.lookups: dict[int, list[float]] = {}  # nodes -> a lookup (1: plain) step's seconds
         self.verifies: dict[int, list[float]] = {}  # nodes -> a sequence's verification seconds
         self.seen = self.pending = 0
+        self.gathered = dict(estimate.acceptance)  # the finished requests' acceptance (gather)
+        self.requests = 0  # requests gathered
+
+    @property
+    def costs_done(self) -> bool:
+        """Whether the costs are final (then no step refines them: only the acceptance of
+        REQUESTS requests may still be gathered)."""
+        trees = sum(len(s) for s in self.drafts.values())
+        return self.seen >= self.MAX_STEPS or (self.seen >= self.STEPS and trees >= self.TREES)
 
     @property
     def done(self) -> bool:
-        trees = sum(len(s) for s in self.drafts.values())
-        return self.seen >= self.MAX_STEPS or (self.seen >= self.STEPS and trees >= self.TREES)
+        """Whether the profile is final: its costs, and the acceptance of REQUESTS requests or
+        of MAX_STEPS steps."""
+        return self.costs_done and (self.requests >= self.REQUESTS or self.seen >= self.MAX_STEPS)
+
+    def gather(self, evidence: dict[str, list[float]]) -> None:
+        """A request's own acceptance evidence (AutoTree.evidence: [sum, count, squares] per
+        cell), added to what the profile will carry (acceptance, ACCEPTANCE_FIELDS); a cell
+        over ACCEPTANCE_STEPS steps is scaled down to them, every field alike."""
+        for cell, (total, count, squares) in evidence.items():
+            mine = [total, count, squares, total * total / count, count * count, 1.0]
+            row = [a + b for a, b in zip(self.gathered.get(cell, [0.0] * 6), mine)]
+            if row[1] > self.ACCEPTANCE_STEPS:
+                row = [v * self.ACCEPTANCE_STEPS / row[1] for v in row]
+            nodes = int(cell.rsplit(",", 1)[1])
+            row[0] = min(row[0], row[1] * (nodes - 1))
+            self.gathered[cell] = row
+        self.requests += 1
+
+    def acceptance(self) -> dict[str, list[float]]:
+        """What the learned profile carries as CostProfile.acceptance (a copy)."""
+        return {cell: list(v) for cell, v in self.gathered.items()}
 
     def observe(self, kind: str, rows: int, forward_s: float, seconds: float,
                 shape: tuple[int, int, int, int] = (0, 1, 0, 1), drafting_s: float = 0.0,
@@ -564,6 +654,9 @@ class CostLearner:
         refined profile when one is made."""
         if kind not in self.KINDS:
             raise ValueError(f"kind={kind!r} is not one of {self.KINDS}")
+        if self.costs_done:  # final costs (the acceptance still gathered): counted only
+            self.seen += 1
+            return None
         self._add(self.forwards, rows, forward_s)
         if verify_s is not None:
             self._add(self.verifies, max(1, rows // shape[3]), verify_s / shape[3])
@@ -582,7 +675,7 @@ class CostLearner:
         self.seen += 1
         self.pending += 1
         every = min(4 * self.EVERY, max(self.EVERY, self.seen // 4))  # 4 steps, later 16
-        if self.pending < every and self.seen > 2 and not self.done:
+        if self.pending < every and self.seen > 2 and not self.costs_done:
             return None
         self.pending = 0
         self.profile = self._refined()
@@ -606,7 +699,8 @@ class CostLearner:
         target_s, moved = _learned_curve(est.target_s, self._medians(self.forwards))
         verify_s, _ = _learned_curve(est.verify_s, self._medians(self.verifies))
         profile = dataclasses.replace(est, target_s=target_s, verify_s=verify_s, step_scale={},
-                                      spread={}, lookup_s=self._medians(self.lookups))  # fmt: skip
+                                      spread={}, lookup_s=self._medians(self.lookups),
+                                      acceptance=self.acceptance())  # fmt: skip
         if est.trusted_rows and self.forwards:  # the largest forward that ran, doubled
             profile.trusted_rows = max(est.trusted_rows, 2 * max(self.forwards))
         drafts = self._medians(self.drafts)
@@ -682,13 +776,50 @@ class AcceptanceStats:
     """
 
     SHRINK = 1.0  # steps of pseudo-evidence that accepted nothing, in every cell (§5)
+    # The most steps of the earlier requests' evidence (CostProfile.acceptance) a request starts
+    # from, per cell (as many as prior_weight finds it worth; decay 0.9 fades it)
+    PRIOR_STEPS = 8.0
 
     def __init__(self, max_depth: int, sizes: tuple[int, ...], decay: float = 0.9) -> None:
         self.max_depth, self.sizes, self.decay = max_depth, np.array(sizes), decay
         self.sums = np.zeros((max_depth, len(sizes)))
         self.counts = np.zeros((max_depth, len(sizes)))
+        # What of sums and counts is the earlier requests' (seed), decayed as they are: the
+        # request's own evidence is the rest (own)
+        self.seed_sums = np.zeros((max_depth, len(sizes)))
+        self.seed_counts = np.zeros((max_depth, len(sizes)))
+        self.squares = np.zeros((max_depth, len(sizes)))  # own steps' accepted counts squared
+        # SHRINK steps of pseudo-evidence per cell, less the seed's share: a mean over the
+        # earlier requests' PRIOR_STEPS steps or more is no winner of one request's window
+        self.shrink = np.full((max_depth, len(sizes)), self.SHRINK)
         self.optimistic_prior = _optimistic_prior(max_depth, tuple(sizes))
         self.prior_weight = 1.0  # of the optimistic prior, in steps
+
+    def seed(self, acceptance: dict[str, list[float]], topk: int) -> None:
+        """Start from the earlier requests' evidence of this width (CostProfile.acceptance):
+        each cell they covered holds their mean accepted count, as many steps as prior_weight
+        finds it worth (at most PRIOR_STEPS)."""
+        column = {n: j for j, n in enumerate(self.sizes.tolist())}
+        for cell, row in acceptance.items():
+            k, d, n = (int(v) for v in cell.split(","))
+            j = column.get(n)
+            if k != topk or j is None or d > self.max_depth:
+                continue
+            total, count = row[0], row[1]
+            weight = prior_weight(row, n, self.PRIOR_STEPS)
+            self.seed_sums[d - 1, j] = self.sums[d - 1, j] = total / count * weight
+            self.seed_counts[d - 1, j] = self.counts[d - 1, j] = weight
+            self.shrink[d - 1, j] = self.SHRINK * (1.0 - weight / self.PRIOR_STEPS)
+
+    def own(self, topk: int) -> dict[str, list[float]]:
+        """This request's own evidence (the seed taken out) of the cells its steps covered: by
+        "topk,depth,nodes", [sum, count, squares] (CostLearner.gather)."""
+        sums, counts = self.sums - self.seed_sums, self.counts - self.seed_counts
+        out = {}
+        for d, j in zip(*np.nonzero(counts > 1e-9)):
+            out[f"{topk},{d + 1},{int(self.sizes[j])}"] = [
+                max(0.0, float(sums[d, j])), float(counts[d, j]), float(self.squares[d, j])]
+        return out
 
     def add(self, depths: np.ndarray, accepted: np.ndarray, grown: int) -> None:
         """A step's nodes 1..N-1 in rank order: their depths and whether each was accepted."""
@@ -703,6 +834,11 @@ class AcceptanceStats:
                                         self.sums[d - 1])  # fmt: skip
             self.counts[d - 1] = np.where(covered, self.decay * self.counts[d - 1] + 1.0,
                                           self.counts[d - 1])  # fmt: skip
+            self.squares[d - 1] = np.where(covered, self.decay * self.squares[d - 1]
+                                           + cum[need] ** 2, self.squares[d - 1])  # fmt: skip
+            fade = np.where(covered, self.decay, 1.0)
+            self.seed_sums[d - 1] *= fade
+            self.seed_counts[d - 1] *= fade
 
     def expected(self, optimistic: bool = False) -> np.ndarray:
         """[max_depth, len(sizes)] expected accepted drafts, nondecreasing in D and N.
@@ -715,7 +851,7 @@ class AcceptanceStats:
         best-ranked nodes)."""
         seen = self.counts > 0
         if not optimistic:
-            est = np.where(seen, self.sums / (self.counts + self.SHRINK), 0.0)
+            est = np.where(seen, self.sums / np.maximum(self.counts + self.shrink, 1e-12), 0.0)
         else:
             w = self.prior_weight
             est = (w * self.optimistic_prior + self.sums) / (w + self.counts)
@@ -852,11 +988,16 @@ class AutoTree:
     # (default pair, 2-core EPYC, T = 1, measured profile) trees of 8-56 nodes took 10-50%
     # longer than predicted, and accepted less than expected, so a 5% margin let trees run at
     # 0.6-0.9x plain decoding: the margin covers what the model misses (BENCHMARKS.md, "The
-    # auto tree on prompts it never saw"). A probe costs at most PROBE_COST plain steps.
+    # auto tree on prompts it never saw"). It was 1.3 until the costs were learned from real
+    # steps, the evidence shrunk and calibrated, and requests started from the earlier ones'
+    # acceptance (§5): then 1.3 kept the widened 1B pair at T = 1 off the one tree that pays
+    # there (1.23x predicted, 1.25-1.31x when fixed), 1.04x `ar` against 1.11x at 1.15, the
+    # default pair and SmolLM2 no slower (BENCHMARKS.md, "Issue 40, twentieth session").
+    # A probe costs at most PROBE_COST plain steps.
     # PROBE_SHARE was 0.02: on the default pair at T = 1 (2-core EPYC, AVX2) probes, whose
     # real steps also ran the head over the pairs that waited, lost 2% of the time of requests
     # whose trees never paid (BENCHMARKS.md, "A plain step and a probe at T = 1").
-    PROBE_FIRST, PROBE_GAP, PROBE_SHARE, PROBE_COST, MARGIN = 4, 16, 0.01, 2.0, 1.3
+    PROBE_FIRST, PROBE_GAP, PROBE_SHARE, PROBE_COST, MARGIN = 4, 16, 0.01, 2.0, 1.15
     # A probe that did not pay for itself (tokens per second below a plain step's, as
     # predicted) doubles the gap to the next, up to PROBE_GAP_MAX: on the default pair at
     # T = 1 (2-core EPYC, AVX2) requests of 128 tokens ran ~4 probes each, every one a loss
@@ -869,13 +1010,18 @@ class AutoTree:
     # search every 8 steps (and a probe's every 4 while none was affordable) ~2%.
     CHECK_STEPS, CONTRADICTION = 8, 1.5  # steps 2..9 of a kept profile; measured / predicted
 
-    def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False) -> None:
+    def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False,
+                 prior: dict[str, list[float]] | None = None) -> None:  # fmt: skip
         self.bound = bound
         sizes = tuple(n for n in SIZES if n <= bound.total_tokens) or (bound.total_tokens,)
         if bound.total_tokens not in sizes:
             sizes = tuple(sorted({*sizes, bound.total_tokens}))
         self.sizes, self.topks = sizes, topk_choices(bound)
         self.stats = {k: AcceptanceStats(bound.depth, sizes) for k in self.topks}
+        # Each width starts from the earlier requests' evidence: the profile's (final), or
+        # ``prior``, what a learning profile gathered so far (CostLearner.acceptance)
+        for k, stats in self.stats.items():
+            stats.seed(profile.acceptance if prior is None else prior, k)
         self.feasible = _feasible(self.topks, bound.depth, sizes)
         self.use_profile(profile)
         self.predicted_s = 0.0  # the chosen tree's predicted step time
@@ -898,6 +1044,14 @@ class AutoTree:
         self.promised: dict[TreeConfig, float] = {}  # a chosen tree's drafts, by the evidence
         self.calibration = Calibration()  # of the chosen trees (a batch observes each per row)
         self.learns = False  # repriced as its profile learns from real steps (CostLearner)
+
+    def evidence(self) -> dict[str, list[float]]:
+        """This request's own acceptance evidence, every width, as CostProfile.acceptance
+        holds it (CostLearner.gather)."""
+        out: dict[str, list[float]] = {}
+        for k, stats in self.stats.items():
+            out.update(stats.own(k))
+        return out
 
     def reprice(self, profile: CostProfile) -> None:
         """Price trees with ``profile``, the same costs refined by real steps (CostLearner):
@@ -1177,6 +1331,16 @@ def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 
     for depth, n, topk in shapes:
         step = profile.step_s(depth, n, topk)
         lines.append(f"| {depth} | {n} | {topk} | {1e3 * step:.1f} | {step / plain:.2f} |")
+    if profile.acceptance:  # what a request starts from (AcceptanceStats.seed), smallest first
+        lines += ["", "acceptance carried (docs/tree_policy.md §5):",
+                  "| topk | depth | N | τ = 1 + drafts accepted | steps | requests "
+                  "| worth steps |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        cells = sorted(((*map(int, c.split(",")), row) for c, row in profile.acceptance.items()),
+                       key=lambda c: (c[2], c[1], c[0]))  # fmt: skip
+        for k, d, n, row in cells:
+            weight = prior_weight(row, n, AcceptanceStats.PRIOR_STEPS)
+            lines.append(f"| {k} | {d} | {n} | {1 + row[0] / row[1]:.2f} | {row[1]:.1f} | "
+                         f"{row[5]:.1f} | {weight:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
