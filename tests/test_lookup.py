@@ -990,3 +990,38 @@ def test_dormant_stretches_are_ar_steps_and_index_every_token(default_engine, mo
     monkeypatch.setattr(decoder_module, "DORMANT_MIN", 10**6)
     engine.generate(prompts[0], 96, temperature=1.0, seed=30, cost_profile=profile)
     assert not any(kinds), "a dormant step with stretches off"
+
+
+def test_dormant_stretches_run_while_a_profile_learns_and_give_it_their_forwards(
+        default_engine, tmp_path, monkeypatch):  # fmt: skip
+    """A machine's first profile, learned from the real steps (one CPU process), does not hold
+    the stretches back: where no tree can pay (here by rule, whatever the steps cost: no
+    margin a tree or a lookup tree can beat, no probe affordable) the steps while it learns
+    are dormant after a rest, and each gives the learner its forward alone (kind "dormant"),
+    the plain step priced by the plain steps around the stretches."""
+    from rheo_engine import Engine
+    from rheo_engine.runtime import lookup_policy
+    from rheo_engine.runtime.tree_policy import AutoTree, CostLearner
+
+    monkeypatch.setenv("RHEO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RHEO_COSTS", raising=False)
+    monkeypatch.setattr(CostLearner, "MAX_STEPS", 10**6)  # it learns all along
+    monkeypatch.setattr(AutoTree, "MARGIN", 1e9)  # no tree pays
+    monkeypatch.setattr(AutoTree, "PROBE_COST", 0.0)  # no probe is affordable
+    monkeypatch.setattr(lookup_policy, "MARGIN", 1e9)  # nor a lookup tree
+    kinds = []
+    observe = CostLearner.observe
+
+    def observed(self, kind, *args, **kwargs):
+        kinds.append(kind)
+        return observe(self, kind, *args, **kwargs)
+
+    monkeypatch.setattr(CostLearner, "observe", observed)
+    base = default_engine
+    engine = Engine(base.target, base.head, base.tokenizer, base.generation_config)
+    gen = engine.generate(STORY, 160, temperature=1.0, seed=31, ignore_eos=True)
+    (learner,) = engine.cost_learners.values()
+    assert len(gen.token_ids) == 160 and not learner.costs_done
+    assert kinds.count("dormant") > len(kinds) // 2, kinds
+    plain = learner.steps_s[(0, 1, 0, 1)]
+    assert len(plain) >= CostLearner.MIN_SAMPLES and 1 in learner.profile.step_scale
