@@ -245,6 +245,16 @@ def _one_device(engine32, job: dict) -> dict:
             "trees": gen.trees.histogram()}  # fmt: skip
 
 
+def _depths(histogram: str) -> dict[str, int]:
+    """A tree histogram ('N=1x12 N=8/d3x30 ...') as steps per depth ('plain' for N = 1)."""
+    out: dict[str, int] = {}
+    for part in histogram.split():
+        shape, count = part.rsplit("x", 1)
+        depth = "plain" if shape == "N=1" else shape.split("/")[1]
+        out[depth] = out.get(depth, 0) + int(count)
+    return out
+
+
 def test_greedy_tokens_equal_one_device(engine32, tp2, monkeypatch):
     import rheo_engine.runtime.decoder as decoder_module
 
@@ -260,8 +270,15 @@ def test_greedy_tokens_equal_one_device(engine32, tp2, monkeypatch):
         want = _one_device(engine32, job)
         assert got["token_ids"] == want["token_ids"], job["options"]
         assert got["accept_lengths"] == want["accept_lengths"], job["options"]
-        if job.get("profile"):  # the same profile, the same trees
-            assert got["trees"] == want["trees"], (job["options"], got["trees"], want["trees"])
+        if job.get("profile"):  # the same profile: the same plain steps and tree depths
+            # The sizes are left out: a merged tree's size has differed by one node in one step
+            # (N=8/d1 against N=7/d1, N=9/d2 against N=8/d2, in 2 of ~8 CI runs; tokens and
+            # accepted drafts equal). In fp32 TP = 2's features and logits equal one device's
+            # within 1e-5, not bit for bit (docs/tensor_parallel.md), so where two drafts'
+            # probabilities nearly tie the head's tree may hold the other, and a lookup node
+            # merges into it or stands beside it
+            assert _depths(got["trees"]) == _depths(want["trees"]), (
+                job["options"], got["trees"], want["trees"])  # fmt: skip
         checked += 1
     assert checked == 2 * len(METHODS) + len(METHODS) - 1
     # The drafts were accepted: a comparison of plain steps would test little. Only the fixed
