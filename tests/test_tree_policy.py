@@ -1475,7 +1475,7 @@ def test_profile_acceptance_round_trips_and_a_malformed_one_is_refused(tmp_path)
     good = profile.acceptance["2,1,3"]
     for bad in ({"2,1,3": [7.0, 3.0, *good[2:]]},  # more than 2 drafts a step from 3 nodes
                 {"2,1,3": [1.0, 0.0, *good[2:]]}, {"2,0,3": good}, {"2,1,1": good},
-                {"0,1,3": good}, {"2,1": good},
+                {"0,1,3": good}, {"2,1": good}, {"2,1,3,4": good}, {"2,-1,3": good},
                 {"2,1,3": [float("nan"), *good[1:]]}, {"2,1,3": good[:2]},
                 {"x,1,3": good}, {"2,1,3": [*good[:5], 0.0]},
                 {"2,1,3": [*good[:2], -1.0, *good[3:]]}):

@@ -490,13 +490,17 @@ class BatchDecoder:
         running ones keep theirs) and kept for later processes, unless in doubt."""
         if self.learners.pop(key, None) is not learner:  # (callers in threads)
             return
-        for other in self._policies.values():
-            if isinstance(other, AutoTree) and other.learns and other.profile.key == key:
-                learner.gather(other.evidence())
+        for other in self._learning(key):
+            learner.gather(other.evidence())
         profile = learner.profile
         profile.acceptance = learner.acceptance()
         self.profiles[key] = profile
         keep_profile(profile)  # unless in doubt (CostProfile.doubts)
+
+    def _learning(self, key: str):
+        """The running groups' auto trees that learn with the profile of ``key``."""
+        return [p for p in self._policies.values()
+                if isinstance(p, AutoTree) and p.learns and p.profile.key == key]
 
     def _free_slot(self, slot: int) -> None:
         """Give a slot back: its KV rows, the head's pairs and the views that held it."""
@@ -997,6 +1001,12 @@ class BatchDecoder:
         learner = self.learners.get(policy.profile.key) if isinstance(policy, AutoTree) else None
         if learner is None:
             return
+        key = policy.profile.key
+        if learner.costs_done:  # its acceptance still gathered: the step only counted
+            learner.count()
+            if learner.done:
+                self._finish(key, learner)
+            return
         batch = len(seqs)
         plain = cfg.method == "ar" or cfg.total_tokens == 1
         kind = "plain" if plain else {"": "head", "alone": "lookup"}.get(lookup, "merged")
@@ -1011,12 +1021,10 @@ class BatchDecoder:
         rows = result.draft.tree.tokens.numel()
         refined = learner.observe(kind, rows, result.times.target_s, seconds, shape, drafting,
                                   result.times.verify_s)  # fmt: skip
-        key = policy.profile.key
         if refined is not None:
             self.profiles[key] = refined
-            for other in self._policies.values():
-                if isinstance(other, AutoTree) and other.learns and other.profile.key == key:
-                    other.reprice(refined)
+            for other in self._learning(key):
+                other.reprice(refined)
             if learner.costs_done and not learner.done:
                 keep_profile(refined)  # its costs, for later processes (unless in doubt)
         if learner.done:

@@ -310,6 +310,21 @@ ACCEPTANCE_FIELDS = ("sum", "count", "squares", "between", "count_sq", "requests
 WITHIN_PRIOR = 2.0  # steps of a binomial's variance in prior_weight's within variance
 
 
+def cell_key(topk: int, depth: int, nodes: int) -> str:
+    """The key of an acceptance cell (CostProfile.acceptance, AcceptanceStats.own)."""
+    return f"{topk},{depth},{nodes}"
+
+
+def parse_cell(key: str) -> tuple[int, int, int]:
+    """(topk, depth, nodes) of an acceptance cell's key "topk,depth,nodes"."""
+    parts = str(key).split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"acceptance cell {key!r} is not \"topk,depth,nodes\" (three "
+                         "integers); delete the profile file to learn it again")
+    k, d, n = (int(p) for p in parts)
+    return k, d, n
+
+
 def _acceptance_table(raw: dict) -> dict[str, list[float]]:
     """A profile file's ``acceptance``, checked: each cell "topk,depth,nodes" (ints >= 1, nodes
     >= 2; a depth past nodes - 1 is the tree of nodes - 1 levels, as AcceptanceStats keeps
@@ -317,7 +332,7 @@ def _acceptance_table(raw: dict) -> dict[str, list[float]]:
     count * (nodes - 1), none negative."""
     table = {}
     for cell, values in raw.items():
-        k, d, n = (int(v) for v in str(cell).split(","))
+        k, d, n = parse_cell(cell)
         row = [float(v) for v in values]
         total, count, *_, requests = row
         if not (k >= 1 and d >= 1 and n >= 2 and len(row) == len(ACCEPTANCE_FIELDS)
@@ -325,7 +340,7 @@ def _acceptance_table(raw: dict) -> dict[str, list[float]]:
                 and total <= count * (n - 1) * (1 + 1e-9)):  # fmt: skip
             raise ValueError(f"acceptance cell {cell!r}: {values!r} is no "
                              f"[{', '.join(ACCEPTANCE_FIELDS)}] of a tree of that size")
-        table[f"{k},{d},{n}"] = row
+        table[cell_key(k, d, n)] = row
     return table
 
 
@@ -633,7 +648,7 @@ class CostLearner:
             row = [a + b for a, b in zip(self.gathered.get(cell, [0.0] * 6), mine)]
             if row[1] > self.ACCEPTANCE_STEPS:
                 row = [v * self.ACCEPTANCE_STEPS / row[1] for v in row]
-            nodes = int(cell.rsplit(",", 1)[1])
+            nodes = parse_cell(cell)[2]
             row[0] = min(row[0], row[1] * (nodes - 1))
             self.gathered[cell] = row
         self.requests += 1
@@ -655,7 +670,7 @@ class CostLearner:
         if kind not in self.KINDS:
             raise ValueError(f"kind={kind!r} is not one of {self.KINDS}")
         if self.costs_done:  # final costs (the acceptance still gathered): counted only
-            self.seen += 1
+            self.count()
             return None
         self._add(self.forwards, rows, forward_s)
         if verify_s is not None:
@@ -680,6 +695,10 @@ class CostLearner:
         self.pending = 0
         self.profile = self._refined()
         return self.profile
+
+    def count(self) -> None:
+        """A step once the costs are final: counted (towards MAX_STEPS), nothing refined."""
+        self.seen += 1
 
     def _add(self, table: dict, key, value: float) -> None:
         """The last KEEP values of ``key``."""
@@ -801,7 +820,7 @@ class AcceptanceStats:
         finds it worth (at most PRIOR_STEPS)."""
         column = {n: j for j, n in enumerate(self.sizes.tolist())}
         for cell, row in acceptance.items():
-            k, d, n = (int(v) for v in cell.split(","))
+            k, d, n = parse_cell(cell)
             j = column.get(n)
             if k != topk or j is None or d > self.max_depth:
                 continue
@@ -817,7 +836,7 @@ class AcceptanceStats:
         sums, counts = self.sums - self.seed_sums, self.counts - self.seed_counts
         out = {}
         for d, j in zip(*np.nonzero(counts > 1e-9)):
-            out[f"{topk},{d + 1},{int(self.sizes[j])}"] = [
+            out[cell_key(topk, d + 1, int(self.sizes[j]))] = [
                 max(0.0, float(sums[d, j])), float(counts[d, j]), float(self.squares[d, j])]
         return out
 
@@ -1335,7 +1354,7 @@ def break_even_table(profile: CostProfile, shapes=((1, 2, 2), (2, 4, 4), (3, 8, 
         lines += ["", "acceptance carried (docs/tree_policy.md §5):",
                   "| topk | depth | N | τ = 1 + drafts accepted | steps | requests "
                   "| worth steps |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        cells = sorted(((*map(int, c.split(",")), row) for c, row in profile.acceptance.items()),
+        cells = sorted(((*parse_cell(c), row) for c, row in profile.acceptance.items()),
                        key=lambda c: (c[2], c[1], c[0]))  # fmt: skip
         for k, d, n, row in cells:
             weight = prior_weight(row, n, AcceptanceStats.PRIOR_STEPS)
