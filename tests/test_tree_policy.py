@@ -75,6 +75,30 @@ def trained(prof: CostProfile, path: list[int], steps: int = 10) -> AutoTree:
     return policy
 
 
+def test_one_tree_that_missed_moves_the_calibration_a_little_and_a_probe_not_at_all():
+    """At T = 1 a step's accepted count is as noisy as its mean: one tree step that accepted
+    nothing of the drafts its evidence promised moves the calibration by at most
+    promised / (promised + CALIBRATION_PRIOR) (at lookup's prior of 2 one such step had
+    halved every later estimate, and a request stayed plain to its end: plain steps move it
+    no more). A probe's tree, chosen by the optimistic prior and not by its evidence, does
+    not move it at all, whatever it accepted."""
+    policy = trained(profile({1: 1.0, 2: 1.0, 16: 1.1}), [1, 5])
+    for _ in range(AutoTree.PROBE_FIRST - 1):
+        cfg = policy.choose(100, 100)
+        assert cfg.method == "rheo" and policy.probes == 0 and cfg in policy.promised
+        policy.observe(cfg, outcome([1, 5]), 1.0)  # it kept its promise (at most 1)
+    assert policy.calibration.factor == 1.0
+    probe = policy.choose(100, 100)
+    assert policy.probes == 1 and probe.method == "rheo" and probe not in policy.promised
+    policy.observe(probe, outcome([]), 1.0)  # it accepted nothing
+    assert policy.calibration.factor == 1.0
+    cfg = policy.choose(100, 100)
+    promised = policy.promised[cfg]
+    policy.observe(cfg, outcome([]), 1.0)
+    assert policy.calibration.factor < 1.0  # (the earlier trees accepted what they promised)
+    assert 1.0 - policy.calibration.factor <= promised / (promised + AutoTree.CALIBRATION_PRIOR)
+
+
 def test_plain_step_when_trees_cost_too_much():
     costly = profile({1: 1.0, 2: 3.0, 16: 40.0})
     assert trained(costly, [1, 5, 9, 13]).choose(room=100, wanted=100).method == "ar"
@@ -138,8 +162,9 @@ def test_trees_that_accept_less_than_promised_scale_the_evidence_down():
     promised = policy.promised[cfg]
     assert promised > 1.0
     policy.observe(cfg, outcome([]), 1.0)  # it accepted nothing
-    want = Calibration.PRIOR / (promised + Calibration.PRIOR)
-    assert policy.calibration.factor == pytest.approx(want)
+    prior = policy.calibration.prior
+    assert prior == AutoTree.CALIBRATION_PRIOR != Calibration.PRIOR  # lookup's is its own
+    assert policy.calibration.factor == pytest.approx(prior / (promised + prior))
     policy.calibration.accepted, policy.calibration.promised = 0.0, 1000.0  # promises failed
     policy.plain_known = None
     assert policy.choose(100, 100).method == "ar"

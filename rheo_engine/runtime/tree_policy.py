@@ -954,22 +954,24 @@ def _priced(profile: CostProfile, topks: tuple[int, ...], max_depth: int,
 @dataclass
 class Calibration:
     """What chosen trees accepted against what their evidence promised them, as decayed sums
-    (DECAY: about the last 20 trees; PRIOR drafts of pseudo-evidence on both sides, so 1 at the
-    start). ``factor``, at most 1, scales the evidence of the next choices: a policy picks the
-    tree whose evidence ran luckiest. On the widened 1B pair at T = 1 (Zen 4 EPYC, 2 threads)
-    head trees chosen for 1.9 accepted drafts accepted 0.6, and 4-node lookup trees chosen for
-    1.63 tokens a step yielded 1.21 (docs/tree_policy.md §5, docs/lookup.md §6). The auto tree
-    and each sequence's prompt lookup keep one each, per request."""
+    (DECAY: about the last 20 trees; ``prior`` drafts of pseudo-evidence on both sides, so 1 at
+    the start: PRIOR unless the owner says). ``factor``, at most 1, scales the evidence of the
+    next choices: a policy picks the tree whose evidence ran luckiest. On the widened 1B pair at
+    T = 1 (Zen 4 EPYC, 2 threads) head trees chosen for 1.9 accepted drafts accepted 0.6, and
+    4-node lookup trees chosen for 1.63 tokens a step yielded 1.21 (docs/tree_policy.md §5,
+    docs/lookup.md §6). The auto tree (AutoTree.CALIBRATION_PRIOR) and each sequence's prompt
+    lookup keep one each, per request."""
 
     DECAY: ClassVar[float] = 0.95
     PRIOR: ClassVar[float] = 2.0
     accepted: float = 0.0
     promised: float = 0.0
     pending: float | None = None  # a promise awaiting its step's outcome (settle)
+    prior: float = PRIOR
 
     @property
     def factor(self) -> float:
-        return min(1.0, (self.accepted + self.PRIOR) / (self.promised + self.PRIOR))
+        return min(1.0, (self.accepted + self.prior) / (self.promised + self.prior))
 
     def add(self, accepted: float, promised: float) -> None:
         self.accepted = self.DECAY * self.accepted + accepted
@@ -1028,6 +1030,14 @@ class AutoTree:
     # that search. A search (~0.1 ms) was ~3% of a plain step of the default pair, and a
     # search every 8 steps (and a probe's every 4 while none was affordable) ~2%.
     CHECK_STEPS, CONTRADICTION = 8, 1.5  # steps 2..9 of a kept profile; measured / predicted
+    # The calibration's pseudo-evidence, in drafts a side (§5): a step's accepted count is as
+    # noisy as its mean, so one step may move the factor only a little. At 2 (lookup's), one
+    # step at T = 1 that accepted nothing of 1.9 promised took the factor to 0.51 (widened 1B
+    # pair, Zen 4 EPYC), and as only drafted trees move it, the request stayed plain to its end
+    # (33-83% plain steps where the best fixed tree read 1.29x `ar`): 1.07x `ar` with it,
+    # 1.13x at 16 with probes left out (_tree), 1.15x with no calibration (medians of fresh
+    # processes: BENCHMARKS.md, "Issue 40, twenty-first session").
+    CALIBRATION_PRIOR = 16.0
 
     def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False,
                  prior: dict[str, list[float]] | None = None) -> None:  # fmt: skip
@@ -1061,7 +1071,8 @@ class AutoTree:
         self.measured_ratio = 1.0  # the check's median measured / predicted seconds
         self.waiting_s = 0.0  # this step's price of the pairs waiting for the head
         self.promised: dict[TreeConfig, float] = {}  # a chosen tree's drafts, by the evidence
-        self.calibration = Calibration()  # of the chosen trees (a batch observes each per row)
+        # of the trees chosen by their evidence (a batch observes each per row)
+        self.calibration = Calibration(prior=self.CALIBRATION_PRIOR)
         self.learns = False  # repriced as its profile learns from real steps (CostLearner)
 
     def evidence(self) -> dict[str, list[float]]:
@@ -1228,7 +1239,7 @@ class AutoTree:
                 self.probe_step, self.probe_cost, self.probe_tokens = self.steps, cost, []
                 self.probe_risk = cost - plain_s
                 self.probe_loss_s += self.probe_risk  # refunded per token it emits (observe)
-                return self._tree(i, d, j)
+                return self._tree(i, d, j, promise=False)
         if rate > self.MARGIN / plain_s:
             return self._tree(i, d, j)
         return PLAIN
@@ -1257,13 +1268,16 @@ class AutoTree:
         self.probe_gap = self.PROBE_GAP if paid else min(2 * self.probe_gap, self.PROBE_GAP_MAX)
         self.probe_tokens = []
 
-    def _tree(self, i: int, d: int, j: int) -> TreeConfig:
+    def _tree(self, i: int, d: int, j: int, promise: bool = True) -> TreeConfig:
+        """The tree of width topks[i], depth d + 1 and size sizes[j]; ``promise``: what its
+        evidence promises it is recorded for the calibration (not a probe's: the optimistic
+        prior chose it, not its evidence's luck, which the calibration corrects)."""
         self.predicted_s = float(self.step_s[i, d, j]) + self.waiting_s
         cfg = dataclasses.replace(
             self.bound, topk=self.topks[i], depth=d + 1, total_tokens=self.sizes[j]
         )
         stats = self.stats[self.topks[i]]  # what the evidence alone promises this tree
-        if stats.counts[d, j] > 0:
+        if promise and stats.counts[d, j] > 0:
             self.promised[cfg] = float(stats.expected()[d, j])
         else:
             self.promised.pop(cfg, None)
