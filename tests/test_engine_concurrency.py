@@ -106,6 +106,24 @@ def test_a_reader_that_stops_early_cancels(engine):
     assert engine.scheduler.counts["cancelled"] == before["cancelled"] + 1
 
 
+def test_closing_a_stream_cancels_its_request_at_once(engine):
+    """A stream closed by its reader (aclose: a server's client went away) cancels its request
+    before the close returns, not when the generators inside it are collected: the astream,
+    Handle._aiter and Handle.batches generators close together (CI once read the cancel count
+    before the collector had closed the inner ones)."""
+
+    async def main():
+        stream = engine.astream(PROMPTS[0], 400, seed=1, temperature=1.0, ignore_eos=True)
+        async for _ in stream:
+            break
+        running = engine.scheduler.running
+        assert running and not any(h.cancelled for h in running)
+        await stream.aclose()  # no other await until the check: nothing else runs meanwhile
+        assert all(h.cancelled for h in running)
+
+    asyncio.run(main())
+
+
 def test_bad_options_raise_before_queueing(engine):
     async def main():
         await engine.agenerate("x", 4, min_p=2.0)

@@ -354,10 +354,13 @@ class Engine:
         self, prompt: str | list[int], max_new_tokens: int = 128, **options
     ) -> AsyncIterator[str]:
         """``stream`` for asyncio, served by ``scheduler``; a reader that stops early cancels
-        the request (its KV cache is freed at once)."""
-        async for step in self.scheduler.submit(prompt, max_new_tokens, **options):
-            if step.text:
-                yield step.text
+        the request (its KV cache is freed at once: the handle's steps are closed with this
+        generator, Handle._aiter)."""
+        handle = self.scheduler.submit(prompt, max_new_tokens, **options)
+        async with contextlib.aclosing(aiter(handle)) as steps:
+            async for step in steps:
+                if step.text:
+                    yield step.text
 
     def request(
         self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool | None = None,

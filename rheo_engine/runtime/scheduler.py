@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -135,9 +136,13 @@ class Handle:
         return self._aiter()
 
     async def _aiter(self) -> AsyncIterator[Step]:
-        async for steps in self.batches():
-            for step in steps:
-                yield step
+        # Closed with this generator, not when it is collected: a reader that stops early
+        # cancels the request at once (batches' finally). Left to the collector, the inner
+        # generator's close could wait for a garbage collection, or for the loop's shutdown.
+        async with contextlib.aclosing(self.batches()) as batches:
+            async for steps in batches:
+                for step in steps:
+                    yield step
 
     async def batches(self) -> AsyncIterator[list[Step]]:
         """``async for`` the Steps in groups: each group is what arrived since the reader last
