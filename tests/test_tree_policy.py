@@ -86,7 +86,7 @@ def test_one_tree_that_missed_moves_the_calibration_a_little_and_a_probe_not_at_
     for _ in range(AutoTree.PROBE_FIRST - 1):
         cfg = policy.choose(100, 100)
         assert cfg.method == "rheo" and policy.probes == 0 and cfg in policy.promised
-        policy.observe(cfg, outcome([1, 5]), 1.0)  # it kept its promise (at most 1)
+        policy.observe(cfg, outcome([1, 5]), 1.0)  # 2 drafts: no fewer than it promised
     assert policy.calibration.factor == 1.0
     probe = policy.choose(100, 100)
     assert policy.probes == 1 and probe.method == "rheo" and probe not in policy.promised
