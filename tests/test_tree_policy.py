@@ -99,6 +99,52 @@ def test_one_tree_that_missed_moves_the_calibration_a_little_and_a_probe_not_at_
     assert 1.0 - policy.calibration.factor <= promised / (promised + AutoTree.CALIBRATION_PRIOR)
 
 
+def test_a_plain_run_restarts_a_seeded_requests_evidence_from_its_seed(monkeypatch):
+    """A request whose own evidence fell below the margin answers plain, and plain steps bring
+    no evidence: after RESTART_STEPS plain answers in a row its evidence and calibration start
+    again from the seed, as a new request's would, so the seed's tree is drafted again (before,
+    it stayed plain to its end unless a probe came). What it saw before still goes back to the
+    profile (own). Nothing restarts without a seed, nor where the seed alone would not pay."""
+    monkeypatch.setattr(AutoTree, "PROBE_FIRST", 10**6)  # no probe ends a plain run here
+    cheap = profile({1: 1.0, 2: 1.0, 16: 1.1})
+    seeded = dataclasses.replace(cheap, acceptance={  # six requests, 1 draft of 1 each step
+        "4,1,2": cell([(4.0, 4.0, 4.0)] * 6, "4,1,2")})
+    policy = AutoTree(BOUND, seeded)
+    stats = policy.stats[4]
+    start = stats.sums.copy(), stats.counts.copy()
+    cfg, trees = policy.choose(100, 100), 0
+    while cfg.method == "rheo":  # its trees accept nothing: the evidence falls
+        policy.observe(cfg, outcome([]), 1.0)
+        cfg, trees = policy.choose(100, 100), trees + 1
+        assert trees < 40
+    assert trees > 1 and policy.calibration.factor < 1.0
+    own = policy.evidence()
+    for _ in range(AutoTree.RESTART_STEPS - 1):
+        policy.observe(cfg, outcome([]), 1.0)
+        cfg = policy.choose(100, 100)
+        assert cfg.method == "ar"
+    assert policy.rest(100, 100, 0, 1) is False  # the restart is not a rest: it searches
+    cfg = policy.choose(100, 100)
+    assert cfg.method == "rheo" and policy.calibration.factor == 1.0
+    assert stats.sums.tolist() == start[0].tolist() and stats.counts.tolist() == start[1].tolist()
+    assert policy.evidence() == own  # the evidence before the restart still gathered
+    # where the seed alone would not pay either (the trees cost more), a restart would change
+    # nothing: none comes, and the evidence stays the request's (no stretch is cut for it)
+    policy = AutoTree(BOUND, dataclasses.replace(seeded, target_s={1: 1.0, 2: 2.0, 16: 4.0}))
+    policy.observe(GROWN, outcome([]), 1.0)  # a tree that accepted nothing
+    before = policy.stats[4].sums.tolist(), policy.stats[4].counts.tolist()
+    for _ in range(4 * AutoTree.RESTART_STEPS):
+        assert policy.choose(100, 100).method == "ar"
+    assert (policy.stats[4].sums.tolist(), policy.stats[4].counts.tolist()) == before
+    assert policy.rest(100, 100, 0, 1) and policy.quiet_steps(100) > AutoTree.RESTART_STEPS
+    # no seed: its own evidence is all it has, and a plain run keeps it
+    policy = trained(cheap, [])
+    before = policy.stats[4].sums.tolist(), policy.stats[4].counts.tolist()
+    for _ in range(4 * AutoTree.RESTART_STEPS):
+        assert policy.choose(100, 100).method == "ar"
+    assert (policy.stats[4].sums.tolist(), policy.stats[4].counts.tolist()) == before
+
+
 def test_plain_step_when_trees_cost_too_much():
     costly = profile({1: 1.0, 2: 3.0, 16: 40.0})
     assert trained(costly, [1, 5, 9, 13]).choose(room=100, wanted=100).method == "ar"
@@ -1315,7 +1361,8 @@ def test_rest_is_choose_where_it_answers():
     """AutoTree.rest (the decoder's plain step not planned) leaves the policy exactly as choose
     would where it answers, and changes nothing where it declines: over random histories of
     trees, plain steps, probes (affordable or not), room, tokens wanted and backlog, a kept
-    profile's check (half the policies) whose steps may contradict it."""
+    profile's check (half the policies) whose steps may contradict it, a seed (half) whose
+    evidence restarts after a plain run."""
     import copy
 
     rng = np.random.default_rng(0)
@@ -1324,8 +1371,9 @@ def test_rest_is_choose_where_it_answers():
         cost = float(rng.uniform(1.0, 4.0))
         target_s = {1: 1.0, 2: 1.0 + 0.1 * cost, 16: cost * 2.0}
         levels = {2: 0.02 * cost, 4: 0.04 * cost, 10: 0.1 * cost}  # a backlog costs its rows
-        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0}),
-                          check=trial % 2 == 1)  # fmt: skip
+        seed = {"4,1,2": cell([(4.0, 4.0, 4.0)] * 6, "4,1,2")} if trial % 4 < 2 else {}
+        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0},
+                                             acceptance=seed), check=trial % 2 == 1)  # fmt: skip
         room = wanted = 200
         for step in range(120):
             room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
@@ -1361,17 +1409,19 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
     falling, the backlog as it was), and rested leaves the policy exactly as that rest does;
     the promise is tight: within a gap after it a probe may run (rest declines); none while a
     kept profile is checked. Over random histories, with probes the budget affords soon, late
-    or never, and kept profiles checked."""
+    or never, kept profiles checked, and seeded policies whose stretch ends where their
+    evidence restarts (RESTART_STEPS)."""
     import copy
 
     rng = np.random.default_rng(1)
-    stretches = tight = forever = checked = 0
-    for trial in range(60):
+    stretches = tight = forever = checked = restarting = 0
+    for trial in range(120):
         cost = float(rng.uniform(1.0, 4.0))
         target_s = {1: 1.0, 2: 1.0 + 0.1 * cost, 16: cost * 2.0}
         levels = {2: 0.02 * cost, 4: 0.04 * cost, 10: 0.1 * cost}
-        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0}),
-                          check=trial % 3 == 1)  # fmt: skip
+        seed = {"4,1,2": cell([(4.0, 4.0, 4.0)] * 6, "4,1,2")} if trial % 2 == 0 else {}
+        policy = AutoTree(BOUND, CostProfile("toy", target_s, 0.0, levels, {1: 0.0, 16: 0.0},
+                                             acceptance=seed), check=trial % 3 == 1)  # fmt: skip
         room = wanted = 400
         for step in range(int(rng.integers(1, 80))):  # a history: trees, probes, plain steps
             waiting = int(rng.integers(0, 40))
@@ -1390,6 +1440,8 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
             assert quiet == 0
             checked += 1
             continue
+        # a seeded policy's stretch that ends where its evidence restarts (RESTART_STEPS)
+        restarting += policy.seeded and policy.moved and quiet == policy.RESTART_STEPS - policy.plain_run
         twin = copy.deepcopy(policy)
         for j in range(min(quiet, 3000)):
             room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
@@ -1408,7 +1460,8 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
                 break
         tight += declined
         assert declined or wanted < 2, (trial, quiet)
-    assert stretches > 20 and tight > 10 and checked > 0, (stretches, tight, forever, checked)
+    assert stretches > 20 and tight > 10 and checked > 0 and restarting > 3, (
+        stretches, tight, forever, checked, restarting)
 
 
 # --- acceptance carried by a profile (docs/tree_policy.md §5) ------------------------------------

@@ -813,6 +813,11 @@ class AcceptanceStats:
         self.shrink = np.full((max_depth, len(sizes)), self.SHRINK)
         self.optimistic_prior = _optimistic_prior(max_depth, tuple(sizes))
         self.prior_weight = 1.0  # of the optimistic prior, in steps
+        # The seed as it came (restart goes back to it) and the request's own evidence of the
+        # windows before its restarts (own gives it back with the current window's)
+        self.seed_at_start = (self.seed_sums.copy(), self.seed_counts.copy())
+        self.seed_expected = np.zeros((max_depth, len(sizes)))
+        self.past = np.zeros((3, max_depth, len(sizes)))  # sums, counts, squares
 
     def seed(self, acceptance: dict[str, list[float]], topk: int) -> None:
         """Start from the earlier requests' evidence of this width (CostProfile.acceptance):
@@ -829,15 +834,30 @@ class AcceptanceStats:
             self.seed_sums[d - 1, j] = self.sums[d - 1, j] = total / count * weight
             self.seed_counts[d - 1, j] = self.counts[d - 1, j] = weight
             self.shrink[d - 1, j] = self.SHRINK * (1.0 - weight / self.PRIOR_STEPS)
+        self.seed_at_start = (self.seed_sums.copy(), self.seed_counts.copy())
+        self.seed_expected = self.expected()  # what a restart's search reads
+
+    def restart(self) -> None:
+        """Back to the seed as it came: the request's own evidence so far no longer counts in
+        its choices (own still gives it back to the profile), the seed weighs as at the start
+        (AutoTree.RESTART_STEPS, docs/tree_policy.md §5)."""
+        self.past += np.stack([self.sums - self.seed_sums, self.counts - self.seed_counts,
+                               self.squares])  # fmt: skip
+        self.seed_sums, self.seed_counts = (a.copy() for a in self.seed_at_start)
+        self.sums, self.counts = self.seed_sums.copy(), self.seed_counts.copy()
+        self.squares = np.zeros_like(self.squares)
 
     def own(self, topk: int) -> dict[str, list[float]]:
         """This request's own evidence (the seed taken out) of the cells its steps covered: by
         "topk,depth,nodes", [sum, count, squares] (CostLearner.gather)."""
-        sums, counts = self.sums - self.seed_sums, self.counts - self.seed_counts
+        past_sums, past_counts, past_squares = self.past
+        sums = self.sums - self.seed_sums + past_sums
+        counts = self.counts - self.seed_counts + past_counts
+        squares = self.squares + past_squares
         out = {}
         for d, j in zip(*np.nonzero(counts > 1e-9)):
             out[cell_key(topk, d + 1, int(self.sizes[j]))] = [
-                max(0.0, float(sums[d, j])), float(counts[d, j]), float(self.squares[d, j])]
+                max(0.0, float(sums[d, j])), float(counts[d, j]), float(squares[d, j])]
         return out
 
     def add(self, depths: np.ndarray, accepted: np.ndarray, grown: int) -> None:
@@ -1038,6 +1058,12 @@ class AutoTree:
     # 1.13x at 16 with probes left out (_tree), 1.15x with no calibration (medians of fresh
     # processes: BENCHMARKS.md, "Issue 40, twenty-first session").
     CALIBRATION_PRIOR = 16.0
+    # After RESTART_STEPS plain answers in a row, a seeded request's acceptance evidence and
+    # calibration start again from the seed, as a new request's would (§5): nothing else ends
+    # a plain stretch before a probe, and on the widened 1B pair at T = 1 requests whose own
+    # evidence dipped below the margin stayed plain to their end where the seed's trees pay.
+    # Long enough for a dormant stretch (decoder: DORMANT_LEAD + DORMANT_MIN) to run before it.
+    RESTART_STEPS = 16
 
     def __init__(self, bound: TreeConfig, profile: CostProfile, check: bool = False,
                  prior: dict[str, list[float]] | None = None) -> None:  # fmt: skip
@@ -1059,6 +1085,12 @@ class AutoTree:
         # higher (_best), so the answer holds until observe / set_batch clear it
         self.plain_known: tuple[int, int, float] | None = None
         self.steps, self.since_probe, self.probes = 0, 0, 0
+        self.plain_run = 0  # plain answers since the last tree or restart (RESTART_STEPS)
+        # whether a restart would change anything: the request was seeded, a drafted step
+        # moved its evidence or calibration since the seed came or the last restart, and the
+        # last search that found no tree paying found one under the seed alone
+        self.seeded = any(bool(st.seed_counts.any()) for st in self.stats.values())
+        self.moved = False
         self.total_s = 0.0  # predicted seconds of every step chosen
         self.probe_loss_s = 0.0  # predicted seconds probes lost against plain steps
         self.probe_step, self.probe_risk = -1, 0.0  # the last probe and what it may still lose
@@ -1118,11 +1150,16 @@ class AutoTree:
         """What probes lost against plain steps / all predicted time so far."""
         return self.probe_loss_s / self.total_s if self.total_s > 0 else 0.0
 
-    def _best(self, room: int, wanted: int, optimistic: bool) -> tuple[float, int, int, int]:
+    def _best(self, room: int, wanted: int, optimistic: bool,
+              seed: bool = False) -> tuple[float, int, int, int]:  # fmt: skip
         """(rate, topk index, depth index, size index) of the best feasible tree; a probe
-        (optimistic) only among trees predicted to cost at most PROBE_COST plain steps."""
-        est = np.stack([st.expected(optimistic) for st in self.stats.values()])
-        if not optimistic:
+        (optimistic) only among trees predicted to cost at most PROBE_COST plain steps; ``seed``:
+        as a restart would rate them (the seed alone, the calibration at its prior)."""
+        if seed:
+            est = np.stack([st.seed_expected for st in self.stats.values()])
+        else:
+            est = np.stack([st.expected(optimistic) for st in self.stats.values()])
+        if not optimistic and not seed:
             est = est * self.calibration.factor
         emitted = np.minimum(1.0 + est, wanted)
         depths = np.arange(1, self.bound.depth + 1)[None, :, None]
@@ -1145,10 +1182,13 @@ class AutoTree:
         step runs first; a batch's pass over them is padded to the longest."""
         self.waiting_s = self.profile.waiting_s(waiting * self.batch)
         self._settle_probe()
+        if self._restart_due():
+            self._restart()
         self.steps += 1
         self.since_probe += 1
         cfg = self._choose(room, wanted)
         self.total_s += self.predicted_s
+        self.plain_run = self.plain_run + 1 if cfg.method == "ar" else 0
         return cfg
 
     def rest(self, room: int, wanted: int, waiting: int, batch: int) -> bool:
@@ -1165,7 +1205,7 @@ class AutoTree:
         if known is None or batch != self.batch or self.probe_tokens:
             return False
         waiting_s = self.profile.waiting_s(waiting * batch)
-        if room > known[0] or wanted > known[1] or waiting_s < known[2]:
+        if room > known[0] or wanted > known[1] or waiting_s < known[2] or self._restart_due():
             return False
         due = self._due(wanted)
         if due and self.cheapest_probe_s + waiting_s <= self._probe_limit():
@@ -1179,13 +1219,16 @@ class AutoTree:
         answers plain again while the batch stays, the room and the tokens wanted (``wanted``
         now) do not grow and the head's backlog does not move (the decoder's dormant stretch
         queues no pair): the steps before the first where a probe is due and affordable
-        (rest's own test, one step early at the boundary; 2**30 where none ever is); 0 while a
+        (rest's own test, one step early at the boundary; 2**30 where none ever is) or where a
+        seeded request's evidence restarts (RESTART_STEPS: its step searches); 0 while a
         probe waits to be settled or a kept profile is checked (observe must see its steps as
         they are: a dormant step is cheaper than the plain step its profile prices)."""
         if self.checks is not None or self.probe_tokens or self.plain_known is None:
             return 0
+        due = self.seeded and self.moved  # a restart would change something
+        restart = max(0, self.RESTART_STEPS - self.plain_run) if due else 1 << 30
         if wanted < 2 or self.bound.method == "ar" or not math.isfinite(self.cheapest_probe_s):
-            return 1 << 30
+            return restart
         # Step j = 1, 2, ... from the next: due at first, first + gap, ... (a due step that no
         # probe runs at starts the gap again), affordable once the budget that grows by
         # PROBE_SHARE of each plain step covers the cheapest probe and the backlog (_probe_limit)
@@ -1194,8 +1237,8 @@ class AutoTree:
                 - self.PROBE_COST * self.plain_s - share * self.total_s) / (share * self.plain_s)
         afford = max(1, math.ceil(need))
         if afford <= first:
-            return first - 1
-        return first + gap * -(-(afford - first) // gap) - 1
+            return min(first - 1, restart)
+        return min(first + gap * -(-(afford - first) // gap) - 1, restart)
 
     def rested(self, wanted: int) -> None:
         """One of the steps quiet_steps promised: rest's state after its plain answer (the gap
@@ -1214,6 +1257,19 @@ class AutoTree:
         self.since_probe = 0 if due else self.since_probe + 1
         self.predicted_s = self.plain_s
         self.total_s += self.plain_s
+        self.plain_run += 1
+
+    def _restart_due(self) -> bool:
+        return self.plain_run >= self.RESTART_STEPS and self.seeded and self.moved
+
+    def _restart(self) -> None:
+        """RESTART_STEPS plain answers in a row: every width's evidence back to its seed as it
+        came, the calibration to its prior, a search at this step (§5)."""
+        for stats in self.stats.values():
+            stats.restart()
+        self.calibration.accepted = self.calibration.promised = 0.0
+        self.plain_known = None
+        self.plain_run, self.moved = 0, False
 
     def _choose(self, room: int, wanted: int) -> TreeConfig:
         plain_s = self.plain_s
@@ -1228,6 +1284,9 @@ class AutoTree:
             rate, i, d, j = self._best(room, wanted, optimistic=False)
             paid = rate > self.MARGIN / plain_s
             self.plain_known = None if paid else (room, wanted, self.waiting_s)
+            if not paid and self.seeded and self.moved:  # would a restart find a tree paying?
+                # (plain steps only shrink the room and the tokens wanted: if not now, not then)
+                self.moved = self._best(room, wanted, False, seed=True)[0] > self.MARGIN / plain_s
         if self.since_probe >= self._gap:
             self.since_probe = 0
             affordable = self.cheapest_probe_s + self.waiting_s <= self._probe_limit()
@@ -1288,6 +1347,7 @@ class AutoTree:
         if tree_shape(cfg) == (0, 1):
             return  # a plain step says nothing about acceptance
         self.plain_known = None  # new evidence: search at the next step
+        self.moved = True
         # Host lists from the step's one read: the policy never reads the device.
         depths = np.array(outcome.depth[0][1:])
         accepted = np.zeros(len(depths))
