@@ -1441,7 +1441,8 @@ def test_quiet_steps_are_rests_and_rested_is_rest():
             checked += 1
             continue
         # a seeded policy's stretch that ends where its evidence restarts (RESTART_STEPS)
-        restarting += policy.seeded and policy.moved and quiet == policy.RESTART_STEPS - policy.plain_run
+        restarting += (policy.seeded and policy.moved
+                       and quiet == policy.RESTART_STEPS - policy.plain_run)
         twin = copy.deepcopy(policy)
         for j in range(min(quiet, 3000)):
             room, wanted = room - int(rng.integers(0, 2)), wanted - int(rng.integers(0, 2))
